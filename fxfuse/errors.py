@@ -1,0 +1,102 @@
+"""fxfuse's exception hierarchy and the helpers that point an error at the user's code.
+
+Every error fxfuse raises on purpose is an :class:`FxFuseError`. The messages name the op or pass, the shapes
+involved and, where it can be told, the user's source line, because the stack a user sees under
+``torch.compile`` is mostly Dynamo's.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Optional
+
+import torch
+
+__all__ = [
+    "FxFuseError",
+    "FxFuseContractError",
+    "FxFusePassError",
+    "FxFuseValidationError",
+    "PassRegistrationError",
+    "user_source_line",
+    "node_location",
+]
+
+
+class FxFuseError(RuntimeError):
+    """Base class of every error fxfuse raises on purpose."""
+
+
+class FxFuseContractError(FxFuseError, ValueError):
+    """A fused op was called with inputs outside its contract (shape, dtype, device)."""
+
+
+class FxFusePassError(FxFuseError):
+    """A graph pass raised while rewriting (raised only with ``strict=True``; otherwise rolled back)."""
+
+
+class FxFuseValidationError(FxFuseError):
+    """A pass changed what the graph computes (an output's shape, dtype, device or stride)."""
+
+
+class PassRegistrationError(FxFuseError, ImportError):
+    """The pass registry is incomplete or inconsistent (raised at import, never at first use)."""
+
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _is_internal(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return (
+        f.startswith(_PKG_DIR)
+        or f.startswith(_TORCH_DIR)
+        or "/passes/" in f and "fxfuse" in f
+        or f.startswith("<")
+    )
+
+
+def user_source_line() -> Optional[str]:
+    """The innermost frame of user code that led here, as ``file:line in fn: code``.
+
+    Under Dynamo the Python stack is the tracer's, so the traced user stack from the tracing context is used
+    instead when there is one.
+    """
+    frames = None
+    try:
+        from torch._guards import TracingContext
+
+        if TracingContext.try_get() is not None:
+            frames = list(TracingContext.extract_stack())
+    except Exception:
+        frames = None
+    if not frames:
+        frames = traceback.extract_stack()[:-1]
+    for fr in reversed(frames):
+        if not _is_internal(fr.filename):
+            code = (fr.line or "").strip()
+            return f"{fr.filename}:{fr.lineno} in {fr.name}: {code}"
+    return None
+
+
+def node_location(node: Any) -> str:
+    """Where an FX node came from in the user's code: last stack-trace frame and the module path."""
+    meta = getattr(node, "meta", {}) or {}
+    parts = []
+    st = meta.get("stack_trace")
+    if st:
+        lines = [ln.rstrip() for ln in st.strip().splitlines() if ln.strip()]
+        # The last 'File ...' line and the code line after it are the innermost user frame.
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].lstrip().startswith("File "):
+                frame = lines[i].strip()
+                code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                parts.append(f"{frame}: {code}" if code else frame)
+                break
+    stack = meta.get("nn_module_stack")
+    if stack:
+        path, cls = list(stack.values())[-1]
+        cls_name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
+        parts.append(f"module {path} ({cls_name})")
+    return "; ".join(parts) if parts else "<no source information>"

@@ -1,0 +1,194 @@
+"""The shared normalisation layer passes match on.
+
+Dynamo graphs spell the same computation many ways: ``x.float()`` / ``x.to(torch.float32)`` / ``x.type(...)``;
+``torch.mul`` / ``operator.mul`` / ``x.mul``; ``F.linear`` / ``torch._C._nn.linear``; arguments positional or
+keyword. Passes should not care. :func:`op_kind` maps a node to one canonical name and :func:`arg` reads an
+argument by canonical name wherever the caller put it, so a pass reads like a declarative description of its
+pattern. Add spellings here, never in a pass.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+__all__ = [
+    "node_val", "op_kind", "arg", "graph_modules", "is_kind", "users_of", "size_hint", "numel_hint",
+    "SHAPE_ONLY_KINDS", "const_number",
+]
+
+# canonical kind -> parameter names, in positional order (``input`` is ``self`` for method calls)
+SCHEMAS: Dict[str, Tuple[str, ...]] = {
+    "linear": ("input", "weight", "bias"),
+    "matmul": ("input", "other"),
+    "mul": ("input", "other"),
+    "div": ("input", "other", "rounding_mode"),
+    "add": ("input", "other", "alpha"),
+    "sub": ("input", "other", "alpha"),
+    "neg": ("input",),
+    "tanh": ("input",),
+    "cast": ("input", "dtype"),
+    "view": ("input", "size"),
+    "reshape": ("input", "shape"),
+    "flatten": ("input", "start_dim", "end_dim"),
+    "contiguous": ("input",),
+    "t": ("input",),
+    "transpose": ("input", "dim0", "dim1"),
+    "permute": ("input", "dims"),
+    "squeeze": ("input", "dim"),
+    "unsqueeze": ("input", "dim"),
+    "getitem": ("input", "index"),
+    "pad": ("input", "pad", "mode", "value"),
+    "cross_entropy": ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                      "label_smoothing"),
+    "nll_loss": ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction"),
+    "log_softmax": ("input", "dim", "_stacklevel", "dtype"),
+    "softmax": ("input", "dim", "_stacklevel", "dtype"),
+    "logsumexp": ("input", "dim", "keepdim"),
+    "gather": ("input", "dim", "index", "sparse_grad"),
+    "sum": ("input", "dim", "keepdim", "dtype"),
+    "mean": ("input", "dim", "keepdim", "dtype"),
+    "dropout": ("input", "p", "training", "inplace"),
+    "expand": ("input", "size"),
+}
+
+_FUNCTIONS: Dict[Any, str] = {
+    torch._C._nn.linear: "linear", F.linear: "linear",
+    torch.matmul: "matmul", operator.matmul: "matmul",
+    torch.mul: "mul", operator.mul: "mul",
+    torch.div: "div", operator.truediv: "div", torch.true_divide: "div",
+    torch.add: "add", operator.add: "add",
+    torch.sub: "sub", operator.sub: "sub",
+    torch.neg: "neg", operator.neg: "neg",
+    torch.tanh: "tanh", F.tanh: "tanh",
+    torch.reshape: "reshape", torch.flatten: "flatten",
+    torch.t: "t", torch.transpose: "transpose", torch.permute: "permute",
+    torch.squeeze: "squeeze", torch.unsqueeze: "unsqueeze",
+    operator.getitem: "getitem",
+    F.pad: "pad", torch._C._nn.pad: "pad",
+    F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss",
+    F.log_softmax: "log_softmax", torch.log_softmax: "log_softmax", torch._C._nn.log_softmax
+    if hasattr(torch._C._nn, "log_softmax") else F.log_softmax: "log_softmax",
+    F.softmax: "softmax", torch.softmax: "softmax",
+    torch.logsumexp: "logsumexp", torch.gather: "gather",
+    torch.sum: "sum", torch.mean: "mean",
+    F.dropout: "dropout", torch.dropout: "dropout",
+}
+
+_METHODS: Dict[str, str] = {
+    "matmul": "matmul", "mul": "mul", "div": "div", "true_divide": "div", "add": "add", "sub": "sub",
+    "neg": "neg", "tanh": "tanh",
+    "float": "cast", "half": "cast", "bfloat16": "cast", "double": "cast", "to": "cast", "type": "cast",
+    "view": "view", "reshape": "reshape", "flatten": "flatten", "contiguous": "contiguous",
+    "t": "t", "transpose": "transpose", "permute": "permute", "squeeze": "squeeze", "unsqueeze": "unsqueeze",
+    "log_softmax": "log_softmax", "softmax": "softmax", "logsumexp": "logsumexp", "gather": "gather",
+    "sum": "sum", "mean": "mean", "expand": "expand",
+}
+
+# ops that move or relabel elements but never change a value
+SHAPE_ONLY_KINDS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze"})
+
+
+def node_val(n: Any) -> Any:
+    """The fake value of a node (``meta['val']`` after propagation, else Dynamo's ``example_value``)."""
+    if isinstance(n, fx.Node):
+        v = n.meta.get("val", None)
+        return v if v is not None else n.meta.get("example_value", None)
+    return n
+
+
+def op_kind(n: Any) -> Optional[str]:
+    """Canonical name of what ``n`` computes (``'linear'``, ``'cast'``, ``'cross_entropy'``, ...) or None."""
+    if not isinstance(n, fx.Node):
+        return None
+    if n.op == "call_function":
+        try:
+            return _FUNCTIONS.get(n.target)
+        except TypeError:  # unhashable target
+            return None
+    if n.op == "call_method":
+        return _METHODS.get(n.target)
+    return None
+
+
+def is_kind(n: Any, *kinds: str) -> bool:
+    return op_kind(n) in kinds
+
+
+_MISSING = object()
+
+
+def arg(n: fx.Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of node ``n`` by its canonical parameter name, positional or keyword."""
+    kind = op_kind(n)
+    schema = SCHEMAS.get(kind, ())
+    if name in n.kwargs:
+        return n.kwargs[name]
+    if kind == "cast" and name == "dtype":
+        return _cast_dtype(n, default)
+    if name in schema:
+        i = schema.index(name)
+        if i < len(n.args):
+            if kind in ("view", "reshape", "permute", "expand") and i == 1 and len(n.args) > 2:
+                return tuple(n.args[1:])  # x.view(a, b) spelled without a tuple
+            return n.args[i]
+    return default
+
+
+def _cast_dtype(n: fx.Node, default: Any) -> Any:
+    named = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+    if n.target in named:
+        return named[n.target]
+    for a in list(n.args[1:]) + list(n.kwargs.values()):
+        if isinstance(a, torch.dtype):
+            return a
+    v = node_val(n)
+    return v.dtype if isinstance(v, torch.Tensor) else default
+
+
+def const_number(a: Any) -> Optional[float]:
+    """``a`` as a Python number if it is a compile-time constant (not a node, not a tensor)."""
+    if isinstance(a, bool):
+        return None
+    if isinstance(a, (int, float)):
+        return float(a)
+    return None
+
+
+def users_of(n: fx.Node) -> List[fx.Node]:
+    return list(n.users)
+
+
+def graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[Tuple[str, fx.GraphModule]]:
+    """``gm`` and, depth first, every GraphModule nested in it (activation-checkpoint bodies, ``wrap`` bodies,
+    control-flow branches), as (qualified name, module)."""
+    yield prefix or "<root>", gm
+    for name, child in gm.named_children():
+        if isinstance(child, fx.GraphModule):
+            yield from graph_modules(child, f"{prefix}.{name}" if prefix else name)
+
+
+def size_hint(s: Any, fallback: int = 8192) -> int:
+    """A concrete value for a possibly symbolic size (its example value), for cost estimates only."""
+    if isinstance(s, int):
+        return s
+    try:
+        node = s.node
+        hint = node.hint if hasattr(node, "hint") else None
+        if hint is not None:
+            return int(hint)
+        return int(node.shape_env.size_hint(node.expr))
+    except Exception:
+        return fallback
+
+
+def numel_hint(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape:
+        n *= size_hint(s)
+    return n

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random-init HF models built in-process (nothing is downloaded) and compile helpers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Inductor's on-disk caches would skip the passes on a hit; tests must see the passes run.
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+if not torch.cuda.is_available():
+    # CPU machines test the Triton kernels themselves through the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import fxfuse
+
+    torch._dynamo.reset()
+    fxfuse.clear_reports()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_causal_lm(arch: str = "llama", **overrides):
+    """A 2-layer random-init causal LM of the given family, small enough to compile in seconds."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common)
+        cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=None)
+        cls = tf.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "gemma2":
+        cfg = tf.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
+                              final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+        cls = tf.Gemma2ForCausalLM
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    if hasattr(cfg, "_attn_implementation"):
+        cfg._attn_implementation = "eager"
+    return cls(cfg)
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(model, ref, rtol=1e-4, atol=1e-5):
+    got = grads_of(model)
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=rtol, atol=atol, msg=lambda m: f"grad of {n}: {m}")
