@@ -10,10 +10,12 @@ works without importing fxfuse first.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,15 +34,66 @@ __all__ = ["fxfuse", "PassContext"]
 _DEFAULT_DEBUG_DIR: Optional[str] = None  # set by fxfuse.debug()
 
 
+@dataclass
+class OutputSubstitution:
+    """Graph output ``slot`` is returned as ``rebuild(*values of inputs)`` built outside the compiled graph.
+
+    The graph itself returns ``inputs[0]`` in that slot; the other inputs are read from the compiled function's
+    arguments (placeholders) or returned as extra trailing outputs. ``rebuild`` must accept fake tensors: the
+    backend validates the substitution by running it under the compile's fake mode.
+    """
+
+    slot: int
+    inputs: List[fx.Node]
+    rebuild: Callable[..., Any]
+    pass_name: str
+    placeholder_index: Dict[int, int] = field(default_factory=dict)  # input position -> argument index
+    extra_output_index: Dict[int, int] = field(default_factory=dict)  # input position -> flat output index
+
+
 class PassContext:
     """What a pass gets besides the graph: where to record sites, its options, and the fake mode."""
 
-    def __init__(self, report: FusionReport, options: FxFuseOptions, fake_mode, pass_name: str = ""):
+    def __init__(self, report: FusionReport, options: FxFuseOptions, fake_mode, pass_name: str = "",
+                 root: Optional[fx.GraphModule] = None):
         self.report = report
         self.options = options
         self.fake_mode = fake_mode
         self.pass_name = pass_name
+        self.root = root
         self._pending: List[SiteRecord] = []
+        self._pending_subs: List[OutputSubstitution] = []
+        self.substitutions: List[OutputSubstitution] = []
+
+    def substitute_output(self, gm: fx.GraphModule, node: fx.Node, inputs: List[fx.Node],
+                          rebuild: Callable[..., Any]) -> int:
+        """Return ``rebuild(inputs...)`` in place of ``node`` wherever the root graph returns it, so ``node`` need
+        not be computed in the graph. Returns how many output slots were substituted (0 if ``node`` is not a
+        root-graph output or ``gm`` is a subgraph)."""
+        if gm is not self.root:
+            return 0
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else None
+        if flat is None:
+            return 0
+        slots = [i for i, a in enumerate(flat) if a is node]
+        if not slots:
+            return 0
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for slot in slots:
+            sub = OutputSubstitution(slot, list(inputs), rebuild, self.pass_name)
+            flat[slot] = inputs[0]
+            for j, x in enumerate(inputs[1:], start=1):
+                if x is None:
+                    continue
+                if x.op == "placeholder":
+                    sub.placeholder_index[j] = phs.index(x)
+                else:
+                    sub.extra_output_index[j] = len(flat)
+                    flat.append(x)
+            self._pending_subs.append(sub)
+        out.args = (type(out.args[0])(flat),)
+        return len(slots)
 
     # passes call these ----------------------------------------------------------------------------------
     def fused(self, node: fx.Node, op: str, *, saved_bytes: Optional[int] = None, **detail) -> None:
@@ -127,6 +180,7 @@ def _run_pass(gm, spec, ctx: PassContext, example_inputs, fake_mode, baseline) -
     before_shapes = _node_shapes(gm)
     ctx.pass_name = spec.name
     ctx._pending = []
+    ctx._pending_subs = []
     tracker = _TrackingProp()
     culprit: Optional[fx.Node] = None
     raised = False
@@ -147,10 +201,17 @@ def _run_pass(gm, spec, ctx: PassContext, example_inputs, fake_mode, baseline) -
                            f"{_describe_node(culprit) if culprit is not None else '?'}: "
                            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
             if problem is None:
-                mismatch = compare_signatures(baseline, output_signature(gm))
+                try:
+                    effective = _effective_signature(gm, ctx.substitutions + ctx._pending_subs, fake_mode)
+                except Exception as e:
+                    effective = None
+                    problem = (f"an output substitution does not rebuild under FakeTensor: "
+                               f"{type(e).__name__}: {e}")
+            if problem is None:
+                mismatch = compare_signatures(baseline, effective)
                 if mismatch is not None:
                     idx, what = mismatch
-                    after = output_signature(gm)
+                    after = effective
                     exp = baseline[idx].describe() if idx >= 0 else f"{len(baseline)} outputs"
                     got = after[idx].describe() if 0 <= idx < len(after) else f"{len(after)} outputs"
                     after_shapes = _node_shapes(gm)
@@ -167,6 +228,7 @@ def _run_pass(gm, spec, ctx: PassContext, example_inputs, fake_mode, baseline) -
             ctx._pending.append(SiteRecord(spec.name, FUSED, f"{changed} site(s) rewritten by a user pass",
                                            "", "", None, {"sites": int(changed)}))
         ctx.report.records.extend(ctx._pending)
+        ctx.substitutions.extend(ctx._pending_subs)
         if changed:
             ctx.report.passes_run.append(spec.name)
         return int(changed)
@@ -181,6 +243,52 @@ def _run_pass(gm, spec, ctx: PassContext, example_inputs, fake_mode, baseline) -
         raise exc(msg + "\n  (strict=True: raising instead of falling back to the unfused graph)")
     log.warning("%s", msg)
     return 0
+
+
+def _effective_signature(gm: fx.GraphModule, subs: List[OutputSubstitution], fake_mode):
+    """The output signature callers will see: substituted slots rebuilt (under fake), extra outputs dropped."""
+    from .validation import OutputSig
+
+    sigs = output_signature(gm)
+    if not subs:
+        return sigs
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    extra = {i for s in subs for i in s.extra_output_index.values()}
+    for s in subs:
+        vals = [node_val(x) if x is not None else None for x in s.inputs]
+        with fake_mode:
+            v = s.rebuild(*vals)
+        sigs[s.slot] = OutputSig(s.slot, "tensor", tuple(v.shape), tuple(v.stride()), v.dtype, v.device, None)
+    return [sig for i, sig in enumerate(sigs) if i not in extra]
+
+
+def _wrap_substitutions(compiled: Callable, subs: List[OutputSubstitution]) -> Callable:
+    """Rebuild substituted outputs around the compiled function (keeping its calling convention)."""
+    if not subs:
+        return compiled
+    extra = sorted({i for s in subs for i in s.extra_output_index.values()})
+
+    def fix(args: Sequence[Any], outs):
+        outs = list(outs)
+        for s in subs:
+            vals = [outs[s.slot]]
+            for j in range(1, len(s.inputs)):
+                if s.inputs[j] is None:
+                    vals.append(None)
+                elif j in s.placeholder_index:
+                    vals.append(args[s.placeholder_index[j]])
+                else:
+                    vals.append(outs[s.extra_output_index[j]])
+            outs[s.slot] = s.rebuild(*vals)
+        return [o for i, o in enumerate(outs) if i not in extra]
+
+    # Dynamo calls what a backend returns with positional arguments (the boxed convention is for the compilers
+    # nested inside Inductor), so no functools.wraps here: it would copy their _boxed_call marker.
+    def run(*args):
+        return fix(args, compiled(*args))
+
+    run.__wrapped__ = compiled
+    return run
 
 
 def _graph_name() -> str:
@@ -223,15 +331,17 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     if debug_dir:
         _dump(debug_dir, f"{tag}.0_dynamo.py", gm)
 
+    subs: List[OutputSubstitution] = []
     if specs:
         fake_mode = detect_fake_mode(example_inputs)
         t0 = time.perf_counter()
         fake_propagate(gm, example_inputs, fake_mode)
         rep.pass_ms["<fake propagation>"] = (time.perf_counter() - t0) * 1e3
         baseline = output_signature(gm)
-        ctx = PassContext(rep, opts, fake_mode)
+        ctx = PassContext(rep, opts, fake_mode, root=gm)
         for spec in specs:
             _run_pass(gm, spec, ctx, example_inputs, fake_mode, baseline)
+        subs = ctx.substitutions
     _publish(rep)
 
     patches: Dict[str, Any] = {}
@@ -247,5 +357,7 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     if opts.compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
-        return aot_eager(gm, example_inputs)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = aot_eager(gm, example_inputs)
+    else:
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    return _wrap_substitutions(compiled, subs)

@@ -1,0 +1,192 @@
+"""Matcher shared by the passes that fuse an lm-head projection with what consumes its logits.
+
+Walking up from a consumer's input (the tensor a cross-entropy or log-softmax reads), it accepts exactly the ops
+that keep "row r of the consumer's input = f(hidden row r' @ W.T + b)" for an elementwise ``f`` by constants, and
+records them:
+
+* shape-only ops that keep the last (vocabulary) dim: ``view``/``reshape``/``flatten``/``contiguous``/
+  ``squeeze``/``unsqueeze`` (row-major order is kept, so rows map to rows);
+* ``getitem`` whose index leaves the last dim alone (the label-shift slice ``logits[..., :-1, :]``): since the
+  projection is row-wise it is moved onto ``hidden`` instead;
+* casts to a float dtype (the kernels compute in fp32);
+* ``* c``, ``/ c`` by Python constants and at most one ``tanh`` (softcap ``c * tanh(x / c)``, Granite's divide,
+  Cohere's multiply);
+* and at the top ``linear(h, W[, b])``, ``matmul(h, W.t())`` / ``h @ W.T`` / ``matmul(h, W.transpose(0, 1))``.
+
+Anything else stops the walk with a reason the pass puts into the fusion report.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, node_val, op_kind
+
+__all__ = ["LogitChain", "match_logit_chain"]
+
+
+@dataclass
+class LogitChain:
+    hidden: fx.Node                 # [..., D]
+    weight: fx.Node                 # [V, D] (or [D, V] with weight_transposed)
+    bias: Optional[fx.Node]
+    projection: fx.Node             # the linear/matmul node
+    nodes: List[fx.Node]            # projection .. consumer input, in graph order
+    row_index: List[Any] = field(default_factory=list)  # getitem indices to apply to hidden, in order
+    weight_transposed: bool = False  # weight is [D, V]: the pass inserts a .t()
+    pre_scale: float = 1.0
+    post_scale: float = 1.0
+    tanh: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.pre_scale * self.post_scale
+
+    @property
+    def softcap(self) -> float:
+        return self.post_scale if self.tanh else 0.0
+
+    def elementwise_recipe(self) -> List[Tuple[str, Any]]:
+        """The value-changing ops after the projection, to replay on materialised logits."""
+        out = []
+        for n in self.nodes[1:]:
+            k = op_kind(n)
+            if k in ("mul", "div"):
+                out.append((k, _const_operand(n)))
+            elif k == "tanh":
+                out.append(("tanh", None))
+            elif k == "cast":
+                out.append(("cast", node_val(n).dtype))
+        return out
+
+
+def _const_operand(n: fx.Node) -> Optional[float]:
+    a, b = arg(n, "input"), arg(n, "other")
+    if isinstance(a, fx.Node) and const_number(b) is not None:
+        return const_number(b)
+    if op_kind(n) == "mul" and isinstance(b, fx.Node) and const_number(a) is not None:
+        return const_number(a)
+    return None
+
+
+def _tensor_input(n: fx.Node) -> Optional[fx.Node]:
+    a = arg(n, "input")
+    if isinstance(a, fx.Node):
+        return a
+    b = arg(n, "other")
+    return b if isinstance(b, fx.Node) else None
+
+
+def _keeps_last_dim(n: fx.Node) -> bool:
+    src, out = node_val(_tensor_input(n)), node_val(n)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(src.shape[-1] == out.shape[-1]))
+
+
+def _index_leaves_last_dim(index: Any, ndim: int) -> bool:
+    """``x[index]`` leaves the last dim untouched (basic slicing of leading dims, ``...`` before a full slice)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, fx.Node) or i is None for i in idx):
+        return False  # advanced or new-axis indexing: not handled
+    if Ellipsis in idx:
+        pos = idx.index(Ellipsis)
+        tail = idx[pos + 1:]
+        return len(tail) >= 1 and tail[-1] == slice(None, None, None) and all(
+            isinstance(i, slice) and i.step in (None, 1) for i in idx if i is not Ellipsis)
+    if len(idx) < ndim:
+        return all(isinstance(i, slice) and i.step in (None, 1) for i in idx)
+    return idx[ndim - 1] == slice(None, None, None) and all(
+        isinstance(i, slice) and i.step in (None, 1) for i in idx)
+
+
+def _weight_of_matmul(n: fx.Node) -> Tuple[Optional[fx.Node], bool]:
+    """For ``matmul(h, X)``: (W, False) if X is ``W.t()``/``W.T``/``W.transpose(0, 1)`` of a 2-D W, (X, True) if X
+    is itself a 2-D [D, V] tensor."""
+    other = arg(n, "other")
+    if not isinstance(other, fx.Node):
+        return None, False
+    k = op_kind(other)
+    if k == "t" or (k == "transpose" and {arg(other, "dim0"), arg(other, "dim1")} in ({0, 1}, {-1, -2}, {0, -1},
+                                                                                       {-2, 1})):
+        w = arg(other, "input")
+        wv = node_val(w)
+        if isinstance(wv, torch.Tensor) and wv.dim() == 2:
+            return w, False
+    if other.op == "call_function" and getattr(other.target, "__name__", "") == "getattr" \
+            and len(other.args) == 2 and other.args[1] in ("T", "mT"):
+        w = other.args[0]
+        if isinstance(node_val(w), torch.Tensor) and node_val(w).dim() == 2:
+            return w, False
+    ov = node_val(other)
+    if isinstance(ov, torch.Tensor) and ov.dim() == 2:
+        return other, True
+    return None, False
+
+
+def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple[Optional[LogitChain], str]:
+    """Walk from ``consumer_input`` up to an lm-head projection. Returns (chain, "") or (None, why not)."""
+    nodes: List[fx.Node] = []
+    row_index: List[Any] = []
+    after, before, tanh = 1.0, 1.0, False  # multipliers nearer the loss than the tanh / nearer the projection
+    n = consumer_input
+    while True:
+        k = op_kind(n)
+        if k == "linear":
+            h, w, b = arg(n, "input"), arg(n, "weight"), arg(n, "bias")
+            if not isinstance(h, fx.Node) or not isinstance(w, fx.Node):
+                return None, "linear with non-tensor operands"
+            if not isinstance(node_val(w), torch.Tensor) or node_val(w).dim() != 2:
+                return None, "linear weight is not 2-D"
+            nodes.append(n)
+            pre, post = (before, after) if tanh else (after, 1.0)
+            return LogitChain(h, w, b if isinstance(b, fx.Node) else None, n, nodes[::-1], row_index[::-1],
+                              False, pre, post, tanh), ""
+        if k == "matmul":
+            h = arg(n, "input")
+            w, transposed = _weight_of_matmul(n)
+            if w is None or not isinstance(h, fx.Node):
+                return None, "matmul whose right operand is not a 2-D weight (or its transpose)"
+            nodes.append(n)
+            pre, post = (before, after) if tanh else (after, 1.0)
+            return LogitChain(h, w, None, n, nodes[::-1], row_index[::-1], transposed, pre, post, tanh), ""
+        if not isinstance(n, fx.Node) or k is None:
+            what = getattr(n, "target", n)
+            return None, f"reached {getattr(what, '__name__', what)} before any lm-head projection"
+        src = _tensor_input(n)
+        if src is None:
+            return None, f"{k} has no tensor input"
+        if k in SHAPE_ONLY_KINDS:
+            if not _keeps_last_dim(n):
+                return None, f"{k} changes the vocabulary (last) dim"
+        elif k == "getitem":
+            v = node_val(src)
+            if not isinstance(v, torch.Tensor) or not _index_leaves_last_dim(arg(n, "index"), v.dim()):
+                return None, "indexing that touches the vocabulary dim or uses tensors"
+            row_index.append(arg(n, "index"))
+        elif k == "cast":
+            dt = node_val(n).dtype if isinstance(node_val(n), torch.Tensor) else None
+            if float_only and dt not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+                return None, f"cast to {dt}"
+        elif k in ("mul", "div"):
+            c = _const_operand(n)
+            if c is None or (k == "div" and c == 0.0):
+                return None, f"{k} by a tensor (not a compile-time constant)"
+            c = c if k == "mul" else 1.0 / c
+            if tanh:
+                before *= c
+            else:
+                after *= c
+        elif k == "tanh":
+            if tanh:
+                return None, "two tanh in the logit chain"
+            tanh = True
+        else:
+            return None, f"{k} between the projection and the loss is not an elementwise-by-constant op"
+        nodes.append(n)
+        n = src

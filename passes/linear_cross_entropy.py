@@ -1,0 +1,244 @@
+"""Fuse an lm-head projection with the cross-entropy that consumes its logits.
+
+Pattern (any architecture; see ``_logit_chain`` for what may sit between projection and loss)::
+
+    logits = linear(h, W[, b])            # or h @ W.T, matmul(h, W.t()); W may be a tied embedding
+    z = f(logits)                         # casts, * c, / c, c * tanh(x / c), views, label-shift slices
+    loss = cross_entropy(z.view(-1, V), y, ignore_index=i, reduction=r, label_smoothing=e)
+         | nll_loss(log_softmax(z, -1), y, ignore_index=i, reduction=r)
+
+becomes ``loss = fxfuse::linear_cross_entropy(h', W, y, b, i, r, softcap, scale, e, grad_in_forward)`` and the
+[tokens x vocab] logits, their fp32 copy and the saved softmax are never materialised. ``/ num_items_in_batch``
+and anything else after the loss stays as it is.
+
+Gradient strategy per site: for a scalar loss (mean/sum) the gradients are computed during the forward and the
+backward only scales them by the upstream scalar (exact by the chain rule whatever follows the loss), which keeps
+the work at the three-matmul floor; per-token losses (reduction ``none``) save the log-sum-exp and recompute.
+
+When the logits are also returned by the graph (HF models return them), the graph returns the hidden states
+instead and the caller gets a :class:`fxfuse.lazy.LazyLogits` of the same shape and dtype that computes
+``f(h @ W.T + b)`` (with autograd) only if something reads it. Other in-graph users of the logits keep the
+projection; the report says so. Not fused, with the reason in the report: class weights, probability targets, a non-2-D loss input
+(class dim 1), operands of different dtypes or devices, and any chain op not listed above.
+
+Pass options (``pass_options={"linear_cross_entropy": {...}}``): ``logits``: ``"lazy"`` (default) or
+``"materialize"`` (return real logits; the projection is then computed for them).
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+import torch.fx as fx
+
+import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
+from fxfuse.graph_utils import arg, node_val, numel_hint, op_kind
+from fxfuse.lazy import LazyLogits, apply_recipe
+from fxfuse.registry import register_pass
+
+from ._logit_chain import LogitChain, match_logit_chain
+
+NAME = "linear_cross_entropy"
+_DEFAULTS = {"cross_entropy": dict(weight=None, size_average=None, reduce=None, ignore_index=-100,
+                                   reduction="mean", label_smoothing=0.0),
+             "nll_loss": dict(weight=None, size_average=None, reduce=None, ignore_index=-100, reduction="mean")}
+
+
+def _const_args(node: fx.Node, kind: str):
+    """The loss's non-tensor arguments, or (None, why) if one is a graph value or unsupported."""
+    out = {}
+    for name, default in _DEFAULTS[kind].items():
+        v = arg(node, name, default)
+        if name == "weight" and v is not None:
+            return None, "class weights are not fused"
+        if isinstance(v, fx.Node):
+            return None, f"{name} is a graph value"
+        out[name] = v
+    if out["weight"] is not None:
+        return None, "class weights are not fused"
+    if out["size_average"] is not None or out["reduce"] is not None:
+        return None, "legacy size_average/reduce arguments"
+    if out["reduction"] not in ("mean", "sum", "none"):
+        return None, f"reduction={out['reduction']!r}"
+    out.setdefault("label_smoothing", 0.0)
+    return out, ""
+
+
+def _loss_input(node: fx.Node, kind: str):
+    z = arg(node, "input")
+    if kind == "cross_entropy":
+        return z, ""
+    # nll_loss(log_softmax(z, dim=-1)) is cross_entropy(z)
+    if op_kind(z) != "log_softmax":
+        return None, "nll_loss input is not log_softmax(...)"
+    zv = node_val(z)
+    dim = arg(z, "dim")
+    if not isinstance(zv, torch.Tensor) or dim not in (-1, zv.dim() - 1):
+        return None, "log_softmax not over the last dim"
+    if len(z.users) != 1:
+        return None, "log_softmax has other users"
+    return arg(z, "input"), ""
+
+
+def _check_shapes(chain: LogitChain, z: fx.Node, target: fx.Node) -> str:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    zv, tv = node_val(z), node_val(target)
+    hv, wv = node_val(chain.hidden), node_val(chain.weight)
+    if not all(isinstance(t, torch.Tensor) for t in (zv, tv, hv, wv)):
+        return "missing fake values"
+    if zv.dim() != 2:
+        return f"loss input is {zv.dim()}-D (only [tokens, vocab] inputs are fused; class dim 1 of a K-D input is not)"
+    if tv.dim() != 1 or tv.dtype not in (torch.int64, torch.int32):
+        return "target is not a 1-D tensor of class indices (probability targets are not fused)"
+    vdim = 1 if chain.weight_transposed else 0
+    ddim = 1 - vdim
+    if not known(wv.shape[vdim] == zv.shape[-1]) or not known(hv.shape[-1] == wv.shape[ddim]):
+        return "projection shapes do not line up with the loss input"
+    if hv.dtype != wv.dtype:
+        return f"hidden is {hv.dtype} but the weight is {wv.dtype}"
+    if chain.bias is not None and node_val(chain.bias).dtype != wv.dtype:
+        return "bias dtype differs from the weight's"
+    if hv.device != wv.device or hv.device != tv.device:
+        return "operands on different devices"
+    return ""
+
+
+def _erase_dead(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
+    """Erase the nodes of ``nodes`` (last first) that have no users left; return those still alive."""
+    alive = []
+    for n in reversed(nodes):
+        if n.graph is graph and not n.users:
+            graph.erase_node(n)
+        elif n.graph is graph:
+            alive.append(n)
+    return alive[::-1]
+
+
+_ELEMENTWISE = ("cast", "mul", "div", "tanh")
+
+
+def _make_logits(hidden, weight, bias, *, recipe, weight_transposed, dtype):
+    """Rebuild of a substituted logits output: real (fake) logits while validating, lazy ones at run time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(hidden, FakeTensor):
+        return apply_recipe(hidden, weight, bias, recipe, weight_transposed)
+    return LazyLogits(hidden, weight, bias, recipe, weight_transposed, dtype)
+
+
+def _substitute_returned_logits(gm: fx.GraphModule, chain: LogitChain, still: List[fx.Node], ctx) -> List[str]:
+    """Where the graph returns a logits tensor of the chain, return lazy logits instead. Returns what was done."""
+    done = []
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    for i, x in enumerate(chain.nodes):
+        if x not in still or out_node not in x.users:
+            continue
+        if any(op_kind(n) not in _ELEMENTWISE for n in chain.nodes[1:i + 1]):
+            continue  # a view/slice of the logits is returned: keep it real
+        recipe = [(k, c) for k, c in _recipe_of(chain.nodes[1:i + 1])]
+        rebuild = functools.partial(_make_logits, recipe=recipe, weight_transposed=chain.weight_transposed,
+                                    dtype=node_val(x).dtype)
+        if ctx.substitute_output(gm, x, [chain.hidden, chain.weight, chain.bias], rebuild):
+            done.append(x.name)
+    return done
+
+
+def _recipe_of(nodes: List[fx.Node]):
+    from ._logit_chain import _const_operand
+
+    for n in nodes:
+        k = op_kind(n)
+        if k in ("mul", "div"):
+            yield k, _const_operand(n)
+        elif k == "tanh":
+            yield "tanh", None
+        elif k == "cast":
+            yield "cast", node_val(n).dtype
+
+
+def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
+    kind = op_kind(node)
+    consts, why = _const_args(node, kind)
+    if consts is None:
+        ctx.skipped(node, kind, why)
+        return False
+    z, why = _loss_input(node, kind)
+    if z is None:
+        ctx.skipped(node, kind, why)
+        return False
+    target = arg(node, "target")
+    chain, why = match_logit_chain(z)
+    if chain is None:
+        ctx.skipped(node, kind, f"no lm-head projection feeds the loss: {why}")
+        return False
+    why = _check_shapes(chain, z, target)
+    if why:
+        ctx.skipped(node, kind, why)
+        return False
+
+    g = gm.graph
+    reduction = consts["reduction"]
+    grad_in_forward = reduction != "none"
+    with g.inserting_before(node):
+        h = chain.hidden
+        for idx in chain.row_index:
+            h = g.call_function(__import__("operator").getitem, (h, idx))
+        w = g.call_method("t", (chain.weight,)) if chain.weight_transposed else chain.weight
+        fused = g.call_function(
+            torch.ops.fxfuse.linear_cross_entropy.default,
+            (h, w, target, chain.bias, int(consts["ignore_index"]), reduction, float(chain.softcap),
+             float(chain.scale), float(consts["label_smoothing"]), grad_in_forward),
+        )
+        fused.meta["stack_trace"] = node.meta.get("stack_trace")
+        fused.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        out = fused
+        loss_dtype = node_val(node).dtype
+        if loss_dtype != torch.float32:  # e.g. cross_entropy on bf16 logits returns bf16
+            out = g.call_method("to", (fused, loss_dtype))
+    node.replace_all_uses_with(out)
+    chain_nodes = list(chain.nodes)
+    loss_nodes = [node] + ([arg(node, "input")] if kind == "nll_loss" else [])
+    g.erase_node(node)
+    if kind == "nll_loss":
+        g.erase_node(loss_nodes[1])
+    still = _erase_dead(g, chain_nodes)
+    lazy = []
+    if still and ctx.pass_option("logits", "lazy") == "lazy":
+        lazy = _substitute_returned_logits(gm, chain, still, ctx)
+        if lazy:
+            still = _erase_dead(g, still)
+
+    # What is no longer materialised: the chain's tensors that died (and their gradients in the backward) and
+    # the softmax-sized buffer the loss saves for its backward.
+    zv = node_val(z)
+    rows_x_vocab = numel_hint(zv)
+    saved = rows_x_vocab * 4
+    dead = [n for n in chain_nodes if n not in still]
+    for n in dead:
+        v = node_val(n)
+        if isinstance(v, torch.Tensor) and op_kind(n) not in ("view", "reshape", "flatten", "getitem", "squeeze",
+                                                              "unsqueeze"):
+            saved += 2 * numel_hint(v) * v.element_size()
+    detail = dict(reduction=reduction, softcap=chain.softcap, scale=chain.scale,
+                  ignore_index=int(consts["ignore_index"]), label_smoothing=float(consts["label_smoothing"]),
+                  grad_in_forward=grad_in_forward, tokens_x_vocab=rows_x_vocab, lazy_logits_outputs=lazy,
+                  logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still])
+    op = f"{kind} <- {op_kind(chain.projection)} ({'softcap ' + format(chain.softcap, 'g') + ', ' if chain.softcap else ''}" \
+         f"scale {chain.scale:g}, reduction {reduction})"
+    ctx.fused(fused, op, saved_bytes=saved, **detail)
+    return True
+
+
+@register_pass(name=NAME, order=100, description="lm-head projection + cross-entropy -> fxfuse::linear_cross_entropy")
+def linear_cross_entropy_pass(gm: fx.GraphModule, ctx) -> int:
+    count = 0
+    for mod in ctx.graph_modules(gm):
+        for node in list(mod.graph.nodes):
+            if node.op in ("call_function", "call_method") and op_kind(node) in ("cross_entropy", "nll_loss"):
+                if _rewrite_site(mod, node, ctx):
+                    count += 1
+        if count:
+            mod.recompile()
+    return count

@@ -1,0 +1,341 @@
+"""fxfuse::linear_cross_entropy against a float64 reference: loss and gradients, both gradient strategies, both
+paths (chunked PyTorch; Triton row kernel under TRITON_INTERPRET=1 on CPU, natively on CUDA), the contract
+errors, and torch.compile (aot_eager / inductor, dynamic N without recompiles).
+
+Tiny ragged shapes (N, V multiples of nothing) so the whole file runs in well under two minutes on a CPU.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+
+import pytest
+import torch
+
+from fxfuse.errors import FxFuseContractError, FxFuseError
+from fxfuse.kernels import linear_cross_entropy as K
+from fxfuse.ops.linear_cross_entropy import linear_cross_entropy
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def rel(a, ref):
+    a, ref = a.double(), ref.double()
+    n = ref.norm()
+    return ((a - ref).norm() / n).item() if n > 0 else (a - ref).norm().item()
+
+
+def make(N, D, V, dtype=torch.float32, device="cpu", bias=False, ignore_every=5, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else N * 131 + V)
+    h = torch.randn(N, D, generator=g).to(dtype).to(device).requires_grad_()
+    W = (torch.randn(V, D, generator=g) / D**0.5).to(dtype).to(device).requires_grad_()
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype).to(device).requires_grad_() if bias else None
+    y = torch.randint(0, V, (N,), generator=g)
+    if ignore_every:
+        y[::ignore_every] = -100
+    return h, W, b, y.to(device)
+
+
+def check(h, W, b, y, tol, grad_out_fn=None, **kw):
+    """Run the op, backprop an upstream grad, compare loss and every grad with the float64 reference."""
+    for t in (h, W, b):
+        if t is not None:
+            t.grad = None
+    loss = linear_cross_entropy(h, W, y, bias=b, **kw)
+    assert loss.dtype == torch.float32
+    go = grad_out_fn(loss) if grad_out_fn else torch.ones_like(loss)
+    loss.backward(go)
+    ref_kw = {k: v for k, v in kw.items() if k not in ("grad_in_forward", "chunk_bytes")}
+    rl, rh, rw, rb = K.lce_reference(h, W, y, b, grad_out=go, **ref_kw)
+    assert loss.shape == rl.shape
+    if torch.isnan(rl).any():
+        assert torch.isnan(loss).all()
+    else:
+        assert rel(loss, rl) < tol, ("loss", rel(loss, rl))
+    assert h.grad.dtype == h.dtype and W.grad.dtype == W.dtype
+    assert rel(h.grad, rh) < tol, ("grad_hidden", rel(h.grad, rh))
+    assert rel(W.grad, rw) < tol, ("grad_weight", rel(W.grad, rw))
+    if b is not None:
+        assert b.grad.dtype == b.dtype
+        assert rel(b.grad, rb) < tol, ("grad_bias", rel(b.grad, rb))
+    return loss
+
+
+@pytest.fixture(params=["torch", "triton"])
+def path(request, monkeypatch):
+    """Which row implementation runs: the PyTorch twin, or the Triton kernel (interpreter on CPU)."""
+    if request.param == "triton":
+        if not K.HAVE_TRITON:
+            pytest.skip("triton not installed")
+        device = getattr(getattr(request.node, "callspec", None), "params", {}).get("device", "cpu")
+        if device == "cpu" and not INTERPRET:
+            pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (see test_triton_interpreter_subprocess)")
+        monkeypatch.setattr(K, "FORCE_TRITON", True)
+    else:
+        monkeypatch.setattr(K, "FORCE_TRITON", False)
+    return request.param
+
+
+# ------------------------------------------------------------------------------------------------ numerics
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+@pytest.mark.parametrize("variant", ["plain", "bias+softcap", "scale+smoothing", "all"])
+def test_matches_reference_fp32(device, reduction, grad_in_forward, variant, path):
+    if path == "torch" and device == "cuda":
+        pytest.skip("the torch row path is the CPU path")
+    bias = variant in ("bias+softcap", "all")
+    kw = dict(reduction=reduction, grad_in_forward=grad_in_forward,
+              softcap=5.0 if variant in ("bias+softcap", "all") else None,
+              scale=0.7 if variant in ("scale+smoothing", "all") else None,
+              label_smoothing=0.1 if variant in ("scale+smoothing", "all") else 0.0)
+    h, W, b, y = make(29, 24, 61, device=device, bias=bias)
+    # upstream grad != 1: x3 for scalars, random per-token weights for "none"
+    gfn = (lambda l: torch.full_like(l, 3.0)) if reduction != "none" else (lambda l: torch.rand_like(l) * 2)
+    check(h, W, b, y, 1e-4 if not (device == "cuda") else 2e-4, gfn, chunk_bytes=61 * 4 * 8, **kw)  # 4 chunks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_in_forward", [True, False])
+def test_bf16(device, grad_in_forward, path):
+    if path == "torch" and device == "cuda":
+        pytest.skip("the torch row path is the CPU path")
+    h, W, b, y = make(40, 32, 97, dtype=torch.bfloat16, device=device, bias=True)
+    check(h, W, b, y, TOL[torch.bfloat16], softcap=30.0, grad_in_forward=grad_in_forward, chunk_bytes=97 * 2 * 16)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction, path):
+    h, W, b, y = make(9, 8, 13, bias=True, ignore_every=0)
+    y[:] = -100
+    loss = linear_cross_entropy(h, W, y, bias=b, reduction=reduction)
+    ref = torch.nn.functional.cross_entropy(h.detach() @ W.detach().T + b.detach(), y, reduction=reduction)
+    torch.testing.assert_close(loss, ref, equal_nan=True)  # mean: nan, like torch
+    loss.sum().backward()
+    for t in (h, W, b):
+        assert torch.all(t.grad == 0)
+
+
+def test_custom_ignore_index_and_empty():
+    h, W, b, y = make(17, 8, 19, ignore_every=0)
+    y[::3] = 7  # ignore class 7 itself
+    check(h, W, b, y, 1e-5, ignore_index=7)
+    h0 = torch.randn(0, 8, requires_grad=True)
+    W.grad = None
+    loss = linear_cross_entropy(h0, W, torch.zeros(0, dtype=torch.long), reduction="sum")
+    loss.backward()
+    assert loss.item() == 0 and h0.grad.shape == (0, 8) and torch.all(W.grad == 0)
+
+
+def test_leading_dims_and_none_shape():
+    h, W, b, y = make(24, 16, 37)
+    h3, y3 = h.detach().view(4, 6, 16).requires_grad_(), y.view(4, 6)
+    loss = linear_cross_entropy(h3, W, y3, reduction="none")
+    assert loss.shape == (4, 6)
+    ref = K.lce_reference(h, W, y, reduction="none")[0]
+    assert rel(loss.reshape(-1), ref) < 1e-5
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 37 * 4 * 3, 1 << 30])
+def test_chunk_sizes(chunk_bytes, path):
+    """1 byte -> one token per chunk; 3 tokens per chunk (ragged last chunk); everything in one chunk."""
+    h, W, b, y = make(23, 16, 37, bias=True)
+    check(h, W, b, y, 1e-4, chunk_bytes=chunk_bytes, label_smoothing=0.2)
+
+
+def test_fp32_grad_weight_accumulation(monkeypatch):
+    h, W, b, y = make(31, 16, 37, dtype=torch.bfloat16)
+    monkeypatch.setattr(K, "FP32_ACCUM_MAX_BYTES", 1 << 30)
+    check(h, W, b, y, TOL[torch.bfloat16], chunk_bytes=37 * 2 * 4)
+
+
+def test_only_some_inputs_require_grad():
+    h, W, b, y = make(11, 8, 13, bias=True)
+    W.requires_grad_(False)
+    b.requires_grad_(False)
+    loss = linear_cross_entropy(h, W, y, bias=b)
+    loss.backward()
+    assert W.grad is None and b.grad is None
+    assert rel(h.grad, K.lce_reference(h, W, y, b)[1]) < 1e-5
+    with torch.no_grad():  # no grads asked for: forward only
+        assert linear_cross_entropy(h, W, y, bias=b).isfinite()
+
+
+def test_backward_twice_with_grad_in_forward_raises():
+    h, W, b, y = make(7, 8, 11)
+    loss = linear_cross_entropy(h, W, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(FxFuseError, match="backward ran twice"):
+        loss.backward()
+    h.grad = W.grad = None
+    loss = linear_cross_entropy(h, W, y, grad_in_forward=False)  # the recompute strategy allows it
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+def test_property_random_configs():
+    hyp = pytest.importorskip("hypothesis")
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=15, deadline=None, derandomize=True)
+    @given(N=st.integers(1, 20), D=st.integers(1, 12), V=st.integers(2, 40), red=st.sampled_from(["mean", "sum", "none"]),
+           cap=st.sampled_from([None, 3.0]), eps=st.sampled_from([0.0, 0.3]), gif=st.booleans(),
+           chunk=st.integers(1, 2000), seed=st.integers(0, 1000))
+    def prop(N, D, V, red, cap, eps, gif, chunk, seed):
+        h, W, b, y = make(N, D, V, bias=True, ignore_every=3, seed=seed)
+        check(h, W, b, y, 1e-4, reduction=red, softcap=cap, label_smoothing=eps, grad_in_forward=gif,
+              chunk_bytes=chunk)
+
+    prop()
+
+
+# ------------------------------------------------------------------------------------------------ Triton on CPU
+def test_triton_interpreter_subprocess():
+    """The Triton row kernel itself, through the op, under TRITON_INTERPRET=1 (set before triton is imported,
+    hence a subprocess). bf16 buffers included; the kernel uses no tl.dot (the interpreter's bf16 dot is wrong)."""
+    if not K.HAVE_TRITON:
+        pytest.skip("triton not installed")
+    if INTERPRET:
+        pytest.skip("already running under the interpreter: the path fixture covers it")
+    import subprocess
+    import sys
+    code = r"""
+import torch
+from fxfuse.kernels import linear_cross_entropy as K
+from fxfuse.ops.linear_cross_entropy import linear_cross_entropy
+assert K.FORCE_TRITON
+torch.manual_seed(0)
+worst = 0.0
+for dt, red, gif, cap, eps, sc in [(torch.float32, "mean", True, None, 0.0, None), (torch.float32, "none", False, 4.0, 0.1, 0.5),
+                                   (torch.float32, "sum", True, 4.0, 0.1, None), (torch.bfloat16, "mean", False, 30.0, 0.0, None)]:
+    h = torch.randn(21, 16).to(dt).requires_grad_(); W = (torch.randn(45, 16) / 4).to(dt).requires_grad_()
+    b = torch.randn(45).to(dt).requires_grad_(); y = torch.randint(0, 45, (21,)); y[::4] = -100
+    loss = linear_cross_entropy(h, W, y, bias=b, reduction=red, softcap=cap, scale=sc, label_smoothing=eps,
+                                grad_in_forward=gif, chunk_bytes=45 * 4 * 5)
+    go = torch.rand_like(loss) + 0.5; loss.backward(go)
+    r = K.lce_reference(h, W, y, b, reduction=red, softcap=cap, scale=sc, label_smoothing=eps, grad_out=go)
+    tol = 1e-4 if dt == torch.float32 else 2e-2
+    for a, ref in zip((loss, h.grad, W.grad, b.grad), r):
+        e = ((a.double() - ref).norm() / ref.norm()).item(); worst = max(worst, e / tol)
+        assert e < tol, (dt, red, gif, cap, e)
+print("OK", worst)
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", FXFUSE_LCE_FORCE_TRITON="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ contract
+def test_logits_as_hidden_error_eager():
+    W = torch.randn(320, 64)
+    logits = torch.randn(8, 320)
+    y = torch.randint(0, 320, (8,))
+    with pytest.raises(FxFuseContractError) as ei:
+        linear_cross_entropy(logits, W, y)
+    msg = str(ei.value)
+    assert "[8, 320]" in msg and "[320, 64]" in msg and "logits, not hidden states" in msg
+
+
+def test_logits_as_hidden_error_compiled():
+    W = torch.randn(320, 64)
+    logits = torch.randn(8, 320)
+    y = torch.randint(0, 320, (8,))
+    torch._dynamo.reset()
+    f = torch.compile(lambda h, w, t: linear_cross_entropy(h, w, t), backend="aot_eager")
+    with pytest.raises(FxFuseContractError) as ei:
+        f(logits, W, y)
+    assert "logits, not hidden states" in str(ei.value) and "[8, 320]" in str(ei.value)
+
+
+@pytest.mark.parametrize("case", ["target_numel", "target_dtype", "mixed_dtype", "bad_D", "reduction", "bias_shape"])
+def test_contract_errors(case):
+    h, W, y = torch.randn(6, 8), torch.randn(10, 8), torch.randint(0, 10, (6,))
+    kw = {}
+    if case == "target_numel":
+        y = y[:5]
+    elif case == "target_dtype":
+        y = y.float()
+    elif case == "mixed_dtype":
+        W = W.to(torch.bfloat16)
+    elif case == "bad_D":
+        h = torch.randn(6, 7)
+    elif case == "reduction":
+        kw["reduction"] = "avg"
+    elif case == "bias_shape":
+        kw["bias"] = torch.randn(9)
+    with pytest.raises(FxFuseContractError):
+        linear_cross_entropy(h, W, y, **kw)
+
+
+def test_fake_impl_checks_contract():
+    """The op node a graph pass inserts is checked too (its fake impl runs the same contract)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        W = torch.randn(320, 64)
+        logits = torch.randn(8, 320)
+        y = torch.randint(0, 320, (8,))
+        with pytest.raises(FxFuseContractError, match="logits, not hidden states"):
+            torch.ops.fxfuse.linear_cross_entropy.default(logits, W, y, None, -100, "mean", 0.0, 1.0, 0.0, True)
+
+
+# ------------------------------------------------------------------------------------------------ torch.compile
+def _counting(backend):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    return CompileCounterWithBackend(backend)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("reduction,gif", [("mean", True), ("none", False), ("sum", False)])
+def test_compile_dynamic_no_recompile(backend, reduction, gif):
+    if backend == "inductor" and reduction != "mean":
+        pytest.skip("inductor: one strategy is enough for CI time")
+    torch._dynamo.reset()
+    D, V = 16, 53
+    W = (torch.randn(V, D) / 4).requires_grad_()
+    b = torch.randn(V).requires_grad_()
+    cnt = _counting(backend)
+
+    def f(h, W, y, b, w):
+        loss = linear_cross_entropy(h, W, y, bias=b, reduction=reduction, softcap=5.0, grad_in_forward=gif,
+                                    chunk_bytes=V * 4 * 8)
+        if reduction == "none":
+            return (loss * w).sum()  # per-token upstream grads
+        return loss * 3
+
+    cf = torch.compile(f, backend=cnt, dynamic=True)
+    frames = None
+    for N in (37, 50, 64):
+        h = torch.randn(N, D, requires_grad=True)
+        y = torch.randint(0, V, (N,))
+        y[::5] = -100
+        W.grad = b.grad = None
+        w = torch.rand(N) + 0.5
+        cf(h, W, y, b, w).backward()
+        go = w.double() if reduction == "none" else torch.tensor(3.0, dtype=torch.float64)
+        _, rh, rw, rb = K.lce_reference(h, W, y, b, reduction=reduction, softcap=5.0, grad_out=go)
+        assert rel(h.grad, rh) < 1e-4 and rel(W.grad, rw) < 1e-4 and rel(b.grad, rb) < 1e-4
+        if frames is None:
+            frames = cnt.frame_count
+        assert cnt.frame_count == frames, f"recompiled at N={N}"
+
+
+def test_op_call_signature_for_graph_passes():
+    """The exact call a graph pass inserts, with positional args, and the fwd op's fake strides."""
+    h, W, b, y = make(12, 8, 21, bias=True)
+    loss = torch.ops.fxfuse.linear_cross_entropy.default(h, W, y, b, -100, "mean", 0.0, 1.0, 0.0, True)
+    assert rel(loss, K.lce_reference(h, W, y, b)[0]) < 1e-5
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    hd, Wd = h.detach(), W.detach()
+    m = FakeTensorMode(shape_env=ShapeEnv())
+    fh, fW, fy = m.from_tensor(hd), m.from_tensor(Wd), m.from_tensor(y)
+    with m:
+        outs = torch.ops.fxfuse.linear_cross_entropy_fwd(fh, fW, fy, None, -100, "none", 0.0, 1.0, 0.0, True,
+                                                         True, True, False, 0)
+        assert [tuple(o.shape) for o in outs] == [(12,), (12,), (12, 8), (21, 8), (0,)]
+        assert outs[2].stride() == (8, 1) and outs[0].dtype == torch.float32

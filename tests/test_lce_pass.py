@@ -1,0 +1,212 @@
+"""The linear + cross-entropy pass: what it matches, what it refuses (with reasons), and whole HF models."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxfuse
+from fxfuse.lazy import LazyLogits
+
+from conftest import assert_grads_close, grads_of, tiny_causal_lm
+
+AOT = {"compiler": "aot_eager"}
+
+
+def _run(fn, *tensors, options=None, dynamic=False):
+    """Eager vs fxfuse on fresh leaf copies: returns (ref_out, out, ref_grads, grads)."""
+    def leaves():
+        return [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+
+    a = leaves()
+    ref = fn(*a)
+    ref.float().sum().backward()
+    b = leaves()
+    out = torch.compile(fn, backend="fxfuse", options={**AOT, **(options or {})}, dynamic=dynamic)(*b)
+    out.float().sum().backward()
+    return ref, out, [t.grad for t in a if t.is_floating_point()], [t.grad for t in b if t.is_floating_point()]
+
+
+def _inputs(N=13, D=16, V=37, dtype=torch.float32, ignore_every=4):
+    torch.manual_seed(N * 7 + V)
+    h = torch.randn(N, D, dtype=dtype)
+    W = torch.randn(V, D, dtype=dtype) / D ** 0.5
+    y = torch.randint(0, V, (N,))
+    y[::ignore_every] = -100
+    return h, W, y
+
+
+def _assert_fused(n=1):
+    rep = fxfuse.report()
+    assert len(rep.fused) == n, str(rep)
+    assert not rep.rolled_back, str(rep)
+    return rep
+
+
+FORMS = {
+    "linear_mean": lambda h, W, y: F.cross_entropy(F.linear(h, W), y),
+    "matmul_t_float": lambda h, W, y: F.cross_entropy((h @ W.t()).float(), y, ignore_index=-100),
+    "matmul_T_sum": lambda h, W, y: F.cross_entropy(torch.matmul(h, W.T), y, reduction="sum"),
+    "softcap": lambda h, W, y: F.cross_entropy(torch.tanh(F.linear(h, W) / 30.0) * 30.0, y),
+    "scale_div": lambda h, W, y: F.cross_entropy(F.linear(h, W).float() / 4.0, y, reduction="sum"),
+    "scale_mul_softcap": lambda h, W, y: F.cross_entropy(5.0 * torch.tanh(0.5 * F.linear(h, W) / 5.0), y),
+    "label_smoothing": lambda h, W, y: F.cross_entropy(F.linear(h, W), y, label_smoothing=0.1),
+    "none": lambda h, W, y: F.cross_entropy(F.linear(h, W), y, reduction="none") * torch.arange(
+        y.numel(), dtype=h.dtype),
+    "nll_log_softmax": lambda h, W, y: F.nll_loss(F.log_softmax(F.linear(h, W).float(), dim=-1), y),
+    "num_items_in_batch": lambda h, W, y: F.cross_entropy(F.linear(h, W), y, reduction="sum") / 7,
+    "ignore_index_0": lambda h, W, y: F.cross_entropy(F.linear(h, W), y.clamp_min(0), ignore_index=0),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_forms_fuse_and_match_eager(form):
+    h, W, y = _inputs()
+    ref, out, gref, g = _run(FORMS[form], h, W, y)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, gref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    rec = _assert_fused().fused[0]
+    assert rec.detail["grad_in_forward"] == (form != "none")
+    if "softcap" in form:
+        assert rec.detail["softcap"] == pytest.approx(30.0 if form == "softcap" else 5.0)
+
+
+def test_weight_as_d_by_v_and_bias():
+    h, W, y = _inputs()
+    b = torch.randn(W.shape[0])
+    ref, out, gref, g = _run(lambda h, Wt, y: F.cross_entropy(h @ Wt, y), h, W.t().contiguous(), y)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, c in zip(g, gref):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+    _assert_fused()
+    torch._dynamo.reset()
+    ref, out, gref, g = _run(lambda h, W, b, y: F.cross_entropy(F.linear(h, W, b), y), h, W, b, y)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, c in zip(g, gref):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+    _assert_fused()
+
+
+def test_label_shift_slice_is_moved_onto_hidden():
+    def shifted(h, W, y):  # the pre-5.x HF shift: logits[..., :-1, :] against labels[..., 1:]
+        logits = F.linear(h, W).float()
+        return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, W.shape[0]),
+                               y[..., 1:].contiguous().view(-1))
+
+    torch.manual_seed(0)
+    h, W = torch.randn(2, 9, 16), torch.randn(29, 16)
+    y = torch.randint(0, 29, (2, 9))
+    ref, out, gref, g = _run(shifted, h, W, y)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, gref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _assert_fused()
+
+
+def test_bf16_logits_without_upcast_keep_loss_dtype():
+    h, W, y = _inputs(dtype=torch.bfloat16)
+    ref, out, gref, g = _run(lambda h, W, y: F.cross_entropy(F.linear(h, W), y), h, W, y)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(g, gref):
+        assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+    _assert_fused()
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("class_weights", "class weights"),
+    ("no_projection", "no lm-head projection"),
+    ("probability_targets", "probability targets"),
+    ("nonconstant_scale", "not a compile-time constant"),
+])
+def test_refused_sites_are_reported_with_reason(case, reason):
+    h, W, y = _inputs()
+    fns = {
+        "class_weights": lambda h, W, y: F.cross_entropy(F.linear(h, W), y, weight=torch.ones(W.shape[0])),
+        "no_projection": lambda h, W, y: F.cross_entropy(h @ W.t() + 0.0 * h.sum(), y),
+        "probability_targets": lambda h, W, y: F.cross_entropy(F.linear(h, W),
+                                                              F.one_hot(y.clamp_min(0), W.shape[0]).float()),
+        "nonconstant_scale": lambda h, W, y: F.cross_entropy(F.linear(h, W) * h.mean(), y),
+    }
+    ref, out, _, _ = _run(fns[case], h, W, y)
+    torch.testing.assert_close(out, ref)
+    rep = fxfuse.report()
+    assert not rep.fused, str(rep)
+    assert any(reason in r.reason for r in rep.skipped), str(rep)
+
+
+def test_pass_can_be_disabled():
+    h, W, y = _inputs()
+    _run(FORMS["linear_mean"], h, W, y, options={"passes": {"linear_cross_entropy": False}})
+    assert not fxfuse.report().fused and not fxfuse.report().skipped
+
+
+def test_dynamic_token_count_no_recompile():
+    calls = []
+
+    def counting(gm, ex):
+        calls.append(1)
+        from fxfuse.backend import fxfuse as be
+        return be(gm, ex, options=AOT)
+
+    fn = torch.compile(FORMS["softcap"], backend=counting, dynamic=True)
+    for N in (5, 11, 29):
+        h, W, y = _inputs(N=N)
+        h.requires_grad_()
+        out = fn(h, W, y)
+        torch.testing.assert_close(out, FORMS["softcap"](h, W, y), rtol=1e-5, atol=1e-5)
+        out.backward()
+    assert len(calls) == 1 and fxfuse.report().fused
+
+
+# ------------------------------------------------------------------------------------------- whole HF models
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2"])
+def test_hf_models_loss_grads_and_lazy_logits(arch):
+    model = tiny_causal_lm(arch)
+    model.train()
+    ids = torch.randint(0, 128, (2, 12))
+    labels = ids.clone()
+    labels[1, :4] = -100  # padding
+    ref = model(input_ids=ids, labels=labels, use_cache=False)
+    ref.loss.backward()
+    gref = grads_of(model)
+    model.zero_grad()
+    out = torch.compile(model, backend="fxfuse", options=AOT)(input_ids=ids, labels=labels, use_cache=False)
+    rep = _assert_fused()
+    assert rep.fused[0].detail["lazy_logits_outputs"], str(rep)
+    assert isinstance(out.logits, LazyLogits) and not out.logits.materialized
+    assert out.logits.shape == ref.logits.shape and out.logits.dtype == ref.logits.dtype
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(model, gref)
+    assert not out.logits.materialized  # backward did not need them
+    torch.testing.assert_close(out.logits.detach(), ref.logits.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_reading_lazy_logits_backpropagates_into_the_graph():
+    model = tiny_causal_lm("gemma2")
+    ids = torch.randint(0, 128, (2, 10))
+
+    def step(m):
+        o = m(input_ids=ids, labels=ids, use_cache=False)
+        aux = o.logits.float().logsumexp(-1).pow(2).mean()  # a z-loss on the logits
+        (o.loss + 1e-2 * aux).backward()
+        return o.loss.detach(), aux.detach()
+
+    ref = step(model)
+    gref = grads_of(model)
+    model.zero_grad()
+    got = step(torch.compile(model, backend="fxfuse", options=AOT))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert_grads_close(model, gref)
+
+
+def test_materialize_option_returns_real_logits():
+    model = tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (2, 10))
+    out = torch.compile(model, backend="fxfuse", options={
+        **AOT, "pass_options": {"linear_cross_entropy": {"logits": "materialize"}}})(input_ids=ids, labels=ids)
+    assert type(out.logits) is torch.Tensor
+    rep = _assert_fused()
+    assert rep.fused[0].detail["logits_still_materialised_for"]
