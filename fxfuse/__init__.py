@@ -45,6 +45,31 @@ def debug(dump_dir: str):
         _backend._DEFAULT_DEBUG_DIR = prev
 
 
+def _import_passes():
+    """Import ``fxfuse.passes``. Installed, it is a subpackage; in a source checkout used without installing
+    (``PYTHONPATH=.``), the top-level ``passes/`` folder is loaded under that name."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    try:
+        return importlib.import_module(f"{__name__}.passes")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.passes":
+            raise
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes")
+    spec = importlib.util.spec_from_file_location(f"{__name__}.passes", os.path.join(src, "__init__.py"),
+                                                  submodule_search_locations=[src])
+    if spec is None:
+        raise PassRegistrationError(f"fxfuse.passes is not installed and {src} does not exist")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 # Load the built-in passes now: the registry is checked here, at import, not at first compile.
-from . import passes as _passes  # noqa: E402,F401
 from . import ops  # noqa: E402,F401
+_passes = _import_passes()
+passes = _passes

@@ -3,14 +3,20 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
-# Inductor's on-disk caches would skip the passes on a hit; tests must see the passes run.
+# Inductor's on-disk caches would skip the passes on a hit (and can serve code compiled against an older op
+# schema); tests must see the passes run. Set before torch is imported, and on the config object too.
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
 if not torch.cuda.is_available():
-    # CPU machines test the Triton kernels themselves through the interpreter.
+    # CPU machines test the Triton kernels themselves through the interpreter (set before triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch._inductor.config  # noqa: E402
+
+torch._inductor.config.force_disable_caches = True
 
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 

@@ -210,3 +210,17 @@ def test_materialize_option_returns_real_logits():
     assert type(out.logits) is torch.Tensor
     rep = _assert_fused()
     assert rep.fused[0].detail["logits_still_materialised_for"]
+
+
+def test_second_backward_through_grad_in_forward_is_loud_not_wrong():
+    h, W, y = _inputs()
+    h.requires_grad_()
+    loss = torch.compile(FORMS["linear_mean"], backend="fxfuse", options=AOT)(h, W, y)
+    loss.backward(retain_graph=True)
+    first = h.grad.clone()
+    assert torch.isfinite(first).all()
+    h.grad = None
+    loss.backward()  # a second backward through gradients computed in the forward
+    # Either functionalization kept the saved gradients intact (same, correct result) or the device-side
+    # consumed-flag poisoned them (NaN): never a silently different value.
+    assert torch.allclose(h.grad, first) or torch.isnan(h.grad).all()

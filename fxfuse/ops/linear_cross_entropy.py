@@ -122,11 +122,14 @@ def linear_cross_entropy_fwd(
     hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], ignore_index: int, reduction: str,
     softcap: float, scale: float, label_smoothing: float, grad_in_forward: bool, grad_hidden: bool,
     grad_weight: bool, grad_bias: bool, chunk_bytes: int,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_linear_cross_entropy(hidden, weight, target, bias, reduction, softcap, label_smoothing)
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
-    return K.lce_forward(hidden, weight, target.long(), bias, ignore_index, reduction, softcap, scale,
+    outs = K.lce_forward(hidden, weight, target.long(), bias, ignore_index, reduction, softcap, scale,
                          label_smoothing, grad_in_forward, wh, ww, wb, _chunk_bytes(chunk_bytes))
+    # 0-dim flag saved with gradients computed in the forward: set by the first backward that consumes them.
+    consumed = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    return (*outs, consumed)
 
 
 @linear_cross_entropy_fwd.register_fake
@@ -142,7 +145,7 @@ def _(hidden, weight, target, bias, ignore_index, reduction, softcap, scale, lab
     gh = hidden.new_empty((N, D)) if wh else hidden.new_empty(0)
     gw = weight.new_empty((V, D)) if ww else hidden.new_empty(0)
     gb = bias.new_empty((V,)) if wb else hidden.new_empty(0)
-    return loss, lse, gh, gw, gb
+    return loss, lse, gh, gw, gb, hidden.new_empty((), dtype=f32)
 
 
 # ================================================================================================ backward ops
@@ -169,19 +172,23 @@ def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, reduction, sof
 
 
 @torch.library.custom_op("fxfuse::linear_cross_entropy_scale_grads_", mutates_args=("grad_hidden", "grad_weight",
-                                                                                    "grad_bias"))
+                                                                                    "grad_bias", "consumed"))
 def linear_cross_entropy_scale_grads_(grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor,
-                                      grad_loss: Tensor) -> None:
+                                      grad_loss: Tensor, consumed: Tensor) -> None:
     # In place, so the backward of the grad-in-forward strategy allocates nothing: the saved gradient becomes
     # the returned one. (An out-of-place multiply would hold two copies of grad_weight, +1 GiB at Llama-3 size.)
-    g = grad_loss.to(torch.float32)
+    # A second backward through the same forward (retain_graph=True) would scale already-consumed gradients:
+    # eager raises in Python (see _backward); a compiled backward has no Python to raise from and no host sync
+    # is allowed, so the flag turns the factor into NaN on the device: loud, never silently wrong.
+    g = torch.where(consumed > 0, torch.full_like(consumed, float("nan")), grad_loss.to(torch.float32))
     for t in (grad_hidden, grad_weight, grad_bias):
         if t.numel():
             t.mul_(g)
+    consumed.fill_(1.0)
 
 
 @linear_cross_entropy_scale_grads_.register_fake
-def _(grad_hidden, grad_weight, grad_bias, grad_loss):
+def _(grad_hidden, grad_weight, grad_bias, grad_loss, consumed):
     return None
 
 
@@ -189,8 +196,8 @@ def _(grad_hidden, grad_weight, grad_bias, grad_loss):
 def _setup_context(ctx, inputs, output):
     (hidden, weight, target, bias, ignore_index, reduction, softcap, scale, label_smoothing, grad_in_forward,
      grad_hidden, grad_weight, grad_bias, chunk_bytes) = inputs
-    loss, lse, gh, gw, gb = output
-    ctx.mark_non_differentiable(lse, gh, gw, gb)
+    loss, lse, gh, gw, gb, consumed = output
+    ctx.mark_non_differentiable(lse, gh, gw, gb, consumed)
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     ctx.in_forward = wh or ww or wb
     ctx.args = (ignore_index, reduction, softcap, scale, label_smoothing)
@@ -199,12 +206,12 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.consumed = False
     if ctx.in_forward:
-        ctx.save_for_backward(gh, gw, gb)
+        ctx.save_for_backward(gh, gw, gb, consumed)
     else:
         ctx.save_for_backward(hidden, weight, target, bias, lse)
 
 
-def _backward(ctx, grad_loss, _g_lse, _g_gh, _g_gw, _g_gb):
+def _backward(ctx, grad_loss, _g_lse, _g_gh, _g_gw, _g_gb, _g_consumed):
     if ctx.in_forward:
         if ctx.consumed:
             raise FxFuseError(
@@ -212,8 +219,8 @@ def _backward(ctx, grad_loss, _g_lse, _g_gh, _g_gw, _g_gb):
                 "gradients computed in the forward are consumed by the first backward. Call with "
                 "grad_in_forward=False to backpropagate more than once.")
         ctx.consumed = True
-        gh, gw, gb = ctx.saved_tensors
-        torch.ops.fxfuse.linear_cross_entropy_scale_grads_(gh, gw, gb, grad_loss)
+        gh, gw, gb, consumed = ctx.saved_tensors
+        torch.ops.fxfuse.linear_cross_entropy_scale_grads_(gh, gw, gb, grad_loss, consumed)
     else:
         hidden, weight, target, bias, lse = ctx.saved_tensors
         gh, gw, gb = torch.ops.fxfuse.linear_cross_entropy_bwd(grad_loss, hidden, weight, target, bias, lse,
