@@ -73,3 +73,22 @@ def _import_passes():
 from . import ops  # noqa: E402,F401
 _passes = _import_passes()
 passes = _passes
+
+
+def _register_backend_without_entry_point() -> None:
+    """Installed, the ``torch_dynamo_backends`` entry point makes ``backend="fxfuse"`` work with no import. In a
+    source tree used without installing there is no entry point, so importing fxfuse registers the name; never
+    both (torch asserts on a duplicate name when the entry point loads after an import-time registration)."""
+    from importlib.metadata import entry_points
+
+    if "fxfuse" in entry_points(group="torch_dynamo_backends").names:
+        return
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "fxfuse" not in _COMPILER_FNS:
+        from .backend import fxfuse as _fxfuse
+
+        register_backend(compiler_fn=_fxfuse, name="fxfuse")
+
+
+_register_backend_without_entry_point()

@@ -1,0 +1,80 @@
+"""Whole-model training steps on the GPU, mirroring ../shared/anchors/anchors_gpu.py sec_e2e (same shapes, steps,
+timing and peak-memory method), for fxfuse variants the anchor script does not cover:
+
+* ``fxfuse``             logits unused (they come back lazily and are never computed);
+* ``fxfuse+read-logits`` a metric reads the logits every step (token accuracy under no_grad): they materialise;
+* ``fxfuse-materialize`` pass option ``logits="materialize"`` (real logits returned from the graph).
+
+Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...]
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+
+OUT = os.environ.get("OUT", "/tmp")
+
+
+def emit(**row):
+    with open(os.path.join(OUT, "e2e_fxfuse.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def main():
+    import fxfuse  # noqa: F401  (registers the backend when run from a source tree)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dev = "cuda"
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=True)
+    B, S = 4, 2048
+    impls = (sys.argv[1] if len(sys.argv) > 1 else "fxfuse,fxfuse+read-logits,fxfuse-materialize").split(",")
+    for impl in impls:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
+        opts = {"pass_options": {"linear_cross_entropy": {"logits": "materialize"}}} if "materialize" in impl else None
+        fwd = torch.compile(model, backend="fxfuse", options=opts)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev)
+        acc = []
+
+        def step():
+            out = fwd(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if "read-logits" in impl:
+                with torch.no_grad():
+                    acc.append((out.logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean())
+            return out.loss
+
+        t0 = time.perf_counter()
+        l0 = step().item()
+        first = time.perf_counter() - t0
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = 8
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loss = step()
+        loss = loss.item()
+        dt = (time.perf_counter() - t0) / n
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        rep = fxfuse.reports()
+        emit(section="e2e", shape="llama3.2-1b shape", impl=impl, tokens_per_s=round(B * S / dt),
+             step_ms=round(dt * 1e3, 1), peak_gib=round(peak, 2), first_step_s=round(first, 1), loss0=round(l0, 4),
+             loss_last=round(loss, 4), fused=sum(len(r.fused) for r in rep),
+             pass_ms=round(sum(r.total_pass_ms for r in rep), 1))
+        del model, opt, fwd
+        torch._dynamo.reset()
+        fxfuse.clear_reports()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,805 @@
+"""Softcap flash attention (Gemma-2 family): Triton kernels, their launchers, a float64 reference and a
+blockwise PyTorch path for CPU, side by side (Triton-tutorial style).
+
+What is computed (Gemma-2's eager attention, with ``repeat_kv`` never materialised)::
+
+    q [B, Hq, S, Dh], k/v [B, Hkv, Skv, Dh], Hq % Hkv == 0; query head h reads kv head h // (Hq // Hkv)
+    s = (q @ k^T) * scaling
+    s = softcap * tanh(s / softcap)              if softcap > 0
+    s = s + mask                                  additive float mask, or where(mask, s, -inf) for a bool mask
+    s = where(allowed(qi, ki), s, -inf)           causal / sliding window, computed from indices
+    p = softmax(s, dim=-1) in fp32;  out = p.to(q.dtype) @ v
+
+Index masks are bottom-right aligned (as HF / flash-attn do when Skv != S), with ``off = Skv - S``:
+causal keeps ``ki <= qi + off``; a sliding ``window`` W (only together with causal) also requires
+``qi + off - ki < W``. HF training has S == Skv (off = 0).
+
+Fully masked rows: a key is *masked* when its index mask says so, when a bool mask is False, or when an
+additive mask value is <= -65504 (= finfo(fp16).min; HF's eager masks use finfo(dtype).min, so its padding
+entries count as masked in every dtype). A row whose every key is masked outputs ZEROS (eager would give NaN
+for -inf rows and a uniform average for finfo.min rows) and gets zero gradients. Partially masked rows are
+unaffected by the threshold: exp(-65504) is 0 in fp32 either way.
+
+Memory: the forward saves ``lse`` [B, Hq, S] fp32 (natural log; +inf marks a fully masked row so that the
+backward's exp(s - lse) is exactly 0 there); nothing of size S x Skv is ever stored.
+
+Kernels (FA2 structure):
+  * ``_attn_fwd``       one program per (q block, b, q head); online softmax over KV blocks.
+  * ``_attn_bwd_pre``   delta = rowsum(dO * O) in fp32.
+  * ``_attn_bwd_dkdv``  one program per (kv block, b, kv head); loops over the G query heads of its group and
+                        over q blocks, so GQA gradients are summed in registers (no repeat_kv, no atomics).
+  * ``_attn_bwd_dq``    one program per (q block, b, q head); loops over KV blocks.
+Every kernel splits its KV (or Q) range into [masked | unmasked | masked] loops: index masks (causal, window,
+sequence end) are only evaluated on the boundary blocks, and blocks that the causal / window masks remove
+entirely are never visited. A mask *tensor* is read blockwise in every visited block.
+
+Softmax runs in base 2 (``exp2``; the log2(e) factor is folded into the scale), and tanh is written with one
+exp2 (``1 - 2 / (2^(2x·log2 e) + 1)``, exact limits +-1 at overflow), which the interpreter also runs.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+try:  # Triton is optional: the CPU path below needs none.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - environment without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "MASKED_BELOW",
+    "attention_reference",
+    "attention_fwd_torch",
+    "attention_bwd_torch",
+    "attention_fwd_triton",
+    "attention_bwd_triton",
+    "interpreting",
+    "DEFAULT_CONFIGS",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Additive mask values at or below this count as "masked" (see module docstring).
+MASKED_BELOW = -65504.0
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ================================================================================================ reference
+def _allowed(S: int, Skv: int, causal: bool, window: int, device) -> Optional[torch.Tensor]:
+    """[S, Skv] bool of what the index masks keep (None when nothing is index-masked)."""
+    if not causal and not window:
+        return None
+    off = Skv - S
+    qi = torch.arange(S, device=device)[:, None] + off
+    ki = torch.arange(Skv, device=device)[None, :]
+    ok = torch.ones(S, Skv, dtype=torch.bool, device=device)
+    if causal:
+        ok = ok & (ki <= qi)
+    if window:
+        ok = ok & (qi - ki < window)
+    return ok
+
+
+def _additive(mask: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]:
+    """The mask as an additive tensor in ``dtype`` with the masked convention applied (-inf where masked)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    m = mask.to(dtype)
+    return m.masked_fill(m <= MASKED_BELOW, float("-inf"))
+
+
+def attention_reference(q, k, v, mask=None, scaling=None, softcap=0.0, causal=False, window=0,
+                        dtype=torch.float64):
+    """The eager formula in ``dtype`` (float64 by default), with repeat_interleave for GQA.
+
+    Differentiable (autograd through it gives the reference gradients). Fully masked rows give zeros.
+    """
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    scaling = Dh ** -0.5 if scaling is None else scaling
+    qq, kk, vv = q.to(dtype), k.to(dtype), v.to(dtype)
+    rep = Hq // Hkv
+    kk = kk.repeat_interleave(rep, 1)
+    vv = vv.repeat_interleave(rep, 1)
+    s = torch.matmul(qq, kk.transpose(-1, -2)) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    am = _additive(mask, dtype)
+    if am is not None:
+        s = s + am
+    ok = _allowed(S, Skv, causal, window, q.device)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    dead = torch.isneginf(s).all(dim=-1, keepdim=True)  # fully masked rows
+    s = s.masked_fill(dead, 0.0)
+    p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
+    return torch.matmul(p, vv)
+
+
+# ================================================================================ blockwise PyTorch (CPU) path
+# Same semantics as the kernels, chunked over query rows: a chunk of C rows materialises [B, Hq, C, L] fp32
+# scores (L = the keys its causal / window range can reach), never [S, Skv]. GQA: q is viewed as
+# [B, Hkv, G*C, Dh] so that one batched matmul against k [B, Hkv, Dh, L] serves the whole group.
+_CPU_SCORE_BUDGET = 32 * 2**20  # bytes of fp32 scores per chunk
+
+
+def _key_range(q0: int, q1: int, S: int, Skv: int, causal: bool, window: int):
+    off = Skv - S
+    lo, hi = 0, Skv
+    if causal:
+        hi = max(0, min(Skv, q1 - 1 + off + 1))
+    if window:
+        lo = max(0, q0 + off - window + 1)
+    return lo, max(lo, hi)
+
+
+def _chunk_rows(B, Hq, S, Skv, chunk):
+    if chunk:
+        return max(1, int(chunk))
+    return max(16, min(S, _CPU_SCORE_BUDGET // max(1, 4 * B * Hq * Skv)))
+
+
+def _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv):
+    """fp32 scores (after softcap, mask, index mask) of rows [q0, q1) against keys [lo, hi), grouped as
+    [B, Hkv, G, C, L]; also tanh(.) (for the backward) when softcap."""
+    B, Hq, _, Dh = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    C, L = q1 - q0, hi - lo
+    qc = q[:, :, q0:q1].float().reshape(B, Hkv, G * C, Dh)
+    kc = k[:, :, lo:hi].float()
+    s = torch.matmul(qc, kc.transpose(-1, -2)).view(B, Hkv, G, C, L)
+    t = None
+    if softcap:
+        t = torch.tanh(s * (scaling / softcap))
+        s = t * softcap
+    else:
+        s = s * scaling
+    if mask is not None:
+        mc = mask[:, :, q0:q1, lo:hi]  # mask is already expanded to [B, Hq, S, Skv] (a view)
+        mc = mc.reshape(B, Hkv, G, C, L) if mc.shape[1] == Hq else mc.unsqueeze(2)
+        if mc.dtype == torch.bool:
+            s = s.masked_fill(~mc, float("-inf"))
+        else:
+            mf = mc.float()
+            s = s + mf.masked_fill(mf <= MASKED_BELOW, float("-inf"))
+    if causal or window:
+        off = Skv - S
+        qi = torch.arange(q0, q1)[:, None] + off
+        ki = torch.arange(lo, hi)[None, :]
+        ok = torch.ones(C, L, dtype=torch.bool)
+        if causal:
+            ok &= ki <= qi
+        if window:
+            ok &= qi - ki < window
+        s = s.masked_fill(~ok.to(s.device), float("-inf"))
+    return s, t
+
+
+def _expand_mask(mask, B, Hq, S, Skv):
+    if mask is None:
+        return None
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask.expand(B, mask.shape[1] if mask.shape[1] == Hq else 1, S, Skv)
+
+
+def attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, chunk=None):
+    """Blockwise forward on any device. Returns (out [B, Hq, S, Dh] in q.dtype, lse [B, Hq, S] fp32)."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    mask = _expand_mask(mask, B, Hq, S, Skv)
+    out = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    C = _chunk_rows(B, Hq, S, Skv, chunk)
+    for q0 in range(0, S, C):
+        q1 = min(S, q0 + C)
+        lo, hi = _key_range(q0, q1, S, Skv, causal, window)
+        if hi <= lo:
+            out[:, :, q0:q1] = 0
+            lse[:, :, q0:q1] = float("inf")
+            continue
+        s, _ = _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        dead = l == 0
+        p = p / torch.where(dead, torch.ones_like(l), l)
+        o = torch.matmul(p.view(B, Hkv, G * (q1 - q0), hi - lo), v[:, :, lo:hi].float())
+        out[:, :, q0:q1] = o.view(B, Hq, q1 - q0, Dh).to(q.dtype)
+        ls = torch.where(dead, torch.full_like(l, float("inf")), m + torch.log(l))
+        lse[:, :, q0:q1] = ls.view(B, Hq, q1 - q0)
+    return out, lse
+
+
+def attention_bwd_torch(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, chunk=None):
+    """Blockwise backward on any device. Returns (dq, dk, dv) in the inputs' dtype."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    mask = _expand_mask(mask, B, Hq, S, Skv)
+    dq = torch.zeros(B, Hq, S, Dh, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, Hkv, Skv, Dh, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, Hkv, Skv, Dh, dtype=torch.float32, device=q.device)
+    delta = (do.float() * out.float()).sum(-1)  # [B, Hq, S]
+    C = _chunk_rows(B, Hq, S, Skv, chunk)
+    for q0 in range(0, S, C):
+        q1 = min(S, q0 + C)
+        lo, hi = _key_range(q0, q1, S, Skv, causal, window)
+        if hi <= lo:
+            continue
+        C_, L = q1 - q0, hi - lo
+        s, t = _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv)
+        ls = lse[:, :, q0:q1].reshape(B, Hkv, G, C_, 1)
+        p = torch.exp(s - ls)  # lse = +inf on dead rows -> exactly 0
+        doc = do[:, :, q0:q1].float().reshape(B, Hkv, G * C_, Dh)
+        vc = v[:, :, lo:hi].float()
+        dp = torch.matmul(doc, vc.transpose(-1, -2)).view(B, Hkv, G, C_, L)
+        ds = p * (dp - delta[:, :, q0:q1].reshape(B, Hkv, G, C_, 1))
+        if softcap:
+            ds = ds * (1.0 - t * t)
+        ds = (ds * scaling).view(B, Hkv, G * C_, L)
+        p = p.view(B, Hkv, G * C_, L)
+        dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), doc)
+        dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), q[:, :, q0:q1].float().reshape(B, Hkv, G * C_, Dh))
+        dq[:, :, q0:q1] = torch.matmul(ds, k[:, :, lo:hi].float()).view(B, Hq, C_, Dh)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ============================================================================================ Triton kernels
+# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
+# size. Dh 256 bf16 (H200 sweeps in benchmarks/attention_notes.md): fwd (128, 64, 8 warps) keeps Q [128, 256]
+# in smem and streams K, V [64, 256]; the dK/dV kernel spills registers when it holds K, V and both fp32
+# [BLOCK_N, 256] accumulators, so it runs as two launches (split=1: dK, then dV), 2.5x faster than one;
+# configs that need more than Hopper's 227 KB smem (e.g. dq (128, 32, 8, 3) plus a mask tile) fall back.
+DEFAULT_CONFIGS = {
+    # (BLOCK_D, elem_size): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)}; M = query rows, N = key rows
+    (256, 2): {"fwd": (128, 64, 8, 2), "dkdv": (32, 128, 8, 2, 1), "dq": (128, 32, 8, 3)},
+    (128, 2): {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2), "dq": (128, 32, 8, 2)},
+    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 2), "dq": (128, 32, 4, 2)},
+    (256, 4): {"fwd": (64, 32, 8, 1), "dkdv": (32, 32, 8, 1), "dq": (32, 32, 8, 1)},
+    (128, 4): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
+    (64, 4): {"fwd": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)},
+}
+# Tried in order when a config does not fit (a mask tensor adds a tile of shared memory per block: the
+# Dh-256 dq config (128, 32, 8, 3) needs 240 KB with a mask, over Hopper's 227 KB).
+FALLBACK_CONFIGS = {"fwd": [(64, 64, 4, 2), (32, 32, 4, 1)], "dkdv": [(32, 64, 8, 2, 1), (16, 32, 4, 1, 1)],
+                    "dq": [(64, 32, 4, 3), (32, 32, 4, 1)]}
+_WORKING = {}  # (kind, block_d, dtype, mask kind, requested config) -> config that launched
+
+
+def _launch(kind, kernel, grid_of, cfg, key, launch):
+    """launch(cfg) with cfg, else with the fallbacks, remembering what worked for this key."""
+    from triton.runtime.errors import OutOfResources
+
+    k = (kind, key, tuple(cfg))
+    tries = [_WORKING[k]] if k in _WORKING else [tuple(cfg)] + FALLBACK_CONFIGS[kind]
+    for i, c in enumerate(tries):
+        try:
+            launch(c)
+            _WORKING[k] = c
+            return
+        except OutOfResources:
+            if i == len(tries) - 1:
+                raise
+
+
+# Tiny blocks for the interpreter (numpy): cheap and exercises the multi-block / boundary logic.
+INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
+
+
+def _config(kind: str, block_d: int, dtype, override=None):
+    if override and kind in override:
+        return override[kind]
+    if interpreting():
+        return INTERPRET_CONFIG[kind]
+    es = 4 if dtype == torch.float32 else 2
+    key = (max(64, block_d), es)
+    return DEFAULT_CONFIGS[key][kind]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _tanh(x):
+        # tanh(x) = 1 - 2 / (e^{2x} + 1): one exp2 and one division; e^{2x} -> inf gives 1, -> 0 gives -1.
+        e = tl.exp2(x * 2.8853900817779268)  # 2 * log2(e)
+        return 1.0 - 2.0 / (e + 1.0)
+
+    @triton.jit
+    def _dot(a, b, DOT_FP32: tl.constexpr):
+        # DOT_FP32: the interpreter's tl.dot on bf16 operands returns garbage (DESIGN.md sec. 4) and fp32
+        # inputs want IEEE products (Triton's default for fp32 is tf32): upcast, exact fp32 product.
+        if DOT_FP32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _load_tile(ptrs, msk):
+        # interior blocks of a head_dim that is a power of two need no mask at all (msk is None there)
+        if msk is None:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=msk, other=0.0)
+
+    @triton.jit
+    def _scores(qk, sc_mul, out_mul, SOFTCAP: tl.constexpr):
+        """Raw q.k -> log2-domain score. Softcap: t = tanh(qk * scaling / cap), s2 = t * cap * log2e.
+        Returns (s2, t) (t is unused without softcap)."""
+        if SOFTCAP:
+            t = _tanh(qk * sc_mul)
+            return t * out_mul, t
+        else:
+            return qk * out_mul, qk
+
+    @triton.jit
+    def _apply_mask_tensor(s2, mptrs, mbounds, MASK_KIND: tl.constexpr):
+        # MASK_KIND 1: additive float (values <= -65504 count as masked -> -inf); 2: bool/uint8, keep != 0.
+        if MASK_KIND == 1:
+            mv = tl.load(mptrs, mask=mbounds, other=0.0).to(tl.float32)
+            mv = tl.where(mv <= -65504.0, float("-inf"), tl.maximum(mv, -65504.0) * 1.4426950408889634)
+            s2 = s2 + mv
+        elif MASK_KIND == 2:
+            keep = tl.load(mptrs, mask=mbounds, other=1)
+            s2 = tl.where(keep != 0, s2, float("-inf"))
+        return s2
+
+    # ------------------------------------------------------------------------------------------- forward
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
+                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                   BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
+                   DOT_FP32: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            if BOUNDARY:
+                kv_mask = offs_n[:, None] < SKV
+                if D_MASK:
+                    kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
+            else:
+                if D_MASK:
+                    kv_mask = offs_d[None, :] < D_MASK
+                else:
+                    kv_mask = None
+            k = _load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
+            qk = _dot(q, tl.trans(k), DOT_FP32)
+            s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
+            if MASK_KIND != 0:
+                s2 = _apply_mask_tensor(s2, M_blk + offs_n[None, :] * stride_mn,
+                                        (offs_m[:, None] < S) & (offs_n[None, :] < SKV), MASK_KIND)
+            if BOUNDARY:
+                ok = offs_n[None, :] < SKV
+                if IS_CAUSAL:
+                    ok = ok & (offs_n[None, :] <= offs_m[:, None] + OFF)
+                if HAS_WINDOW:
+                    ok = ok & (offs_m[:, None] + OFF - offs_n[None, :] < window)
+                s2 = tl.where(ok, s2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
+            # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s2 - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = _load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_FP32)  # eager: p.to(q.dtype) @ v
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """Key ranges for query rows [start_m, start_m + BLOCK_M): [lo, b) and [c, hi) need index masks,
+        [b, c) is fully kept for every row (multiples of BLOCK_N); keys outside [lo, hi) are skipped."""
+        lo = 0
+        hi = SKV
+        full_lo = 0
+        full_hi = (SKV // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            hi = tl.minimum(SKV, tl.maximum(0, start_m + BLOCK_M + OFF))
+            full_hi = tl.minimum(full_hi, (tl.maximum(0, start_m + OFF + 1) // BLOCK_N) * BLOCK_N)
+        if HAS_WINDOW:
+            lo = (tl.maximum(0, start_m + OFF - window + 1) // BLOCK_N) * BLOCK_N
+            full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + OFF - window), BLOCK_N) * BLOCK_N
+        hi = tl.maximum(hi, lo)
+        b = tl.minimum(tl.maximum(full_lo, lo), hi)
+        c = tl.minimum(tl.maximum(full_hi, b), hi)
+        return lo, b, c, hi
+
+    @triton.jit
+    def _attn_fwd(Q, K, V, M, O, LSE,
+                  stride_qb, stride_qh, stride_qm, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  stride_mb, stride_mh, stride_mm, stride_mn,
+                  stride_ob, stride_oh, stride_om, stride_od,
+                  H, G, S, SKV, OFF, window, sc_mul, out_mul,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+        # heaviest (last, under causal) q blocks first: better tail balance across the grid
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // G  # GQA: this q head's kv head
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
+
+        q_mask = offs_m[:, None] < S
+        if D_MASK:
+            q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
+        K_blk = K + b * stride_kb + hk * stride_kh + offs_d[None, :] * stride_kd
+        V_blk = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+        M_blk = M + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+        dead = l_i == 0.0  # every key masked: output 0, lse = +inf (backward p = exp(s - inf) = 0)
+        acc = acc / tl.where(dead, 1.0, l_i)[:, None]
+        lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 acc.to(O.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
+
+    # ------------------------------------------------------------------------------------------ backward
+    @triton.jit
+    def _attn_bwd_pre(O, DO, DELTA,
+                      stride_ob, stride_oh, stride_om, stride_od,
+                      stride_dob, stride_doh, stride_dom, stride_dod,
+                      H, S, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        msk = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+        o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                    mask=msk, other=0.0).to(tl.float32)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=msk, other=0.0).to(tl.float32)
+        tl.store(DELTA + bh * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
+
+    @triton.jit
+    def _kv_block_query_ranges(start_n, S, SKV, OFF, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """Query-row ranges for keys [start_n, start_n + BLOCK_N): kept iff q >= k - OFF (causal) and
+        q < k - OFF + window. [lo, b) and [c, hi) need index masks; [b, c) is fully kept (multiples of
+        BLOCK_M; rows >= S there are harmless: their lse is +inf, so p = 0)."""
+        lo = 0
+        hi = S
+        full_lo = 0
+        full_hi = tl.cdiv(S, BLOCK_M) * BLOCK_M
+        if IS_CAUSAL:
+            lo = (tl.maximum(0, start_n - OFF) // BLOCK_M) * BLOCK_M
+            full_lo = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - OFF), BLOCK_M) * BLOCK_M
+        if HAS_WINDOW:
+            hi = tl.minimum(S, tl.maximum(0, start_n + BLOCK_N - 1 - OFF + window))
+            full_hi = (tl.maximum(0, start_n - OFF + window) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(hi, lo)
+        b = tl.minimum(tl.maximum(full_lo, lo), hi)
+        c = tl.minimum(tl.maximum(full_hi, b), hi)
+        return lo, b, c, hi
+
+    @triton.jit
+    def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d, lo, hi,
+                        stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul, out_mul,
+                        BLOCK_M: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                        MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                        BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
+                        DO_DV: tl.constexpr):
+        # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            q_mask = offs_m[:, None] < S
+            if D_MASK:
+                q_mask = q_mask & (offs_d[None, :] < D_MASK)
+            q = tl.load(Q_blk + offs_m[:, None] * stride_qm, mask=q_mask, other=0.0)
+            lse2 = tl.load(LSE_h + offs_m, mask=offs_m < S, other=float("inf")) * 1.4426950408889634
+            qkT = _dot(k, tl.trans(q), DOT_FP32)
+            s2, t = _scores(qkT, sc_mul, out_mul, SOFTCAP)
+            if MASK_KIND != 0:
+                s2 = _apply_mask_tensor(s2, M_blk + offs_m[None, :] * stride_mm,
+                                        (offs_n[:, None] < SKV) & (offs_m[None, :] < S), MASK_KIND)
+            if BOUNDARY:
+                ok = offs_m[None, :] < S
+                if IS_CAUSAL:
+                    ok = ok & (offs_n[:, None] <= offs_m[None, :] + OFF)
+                if HAS_WINDOW:
+                    ok = ok & (offs_m[None, :] + OFF - offs_n[:, None] < window)
+                s2 = tl.where(ok, s2, float("-inf"))
+            pT = tl.exp2(s2 - lse2[None, :])
+            do = tl.load(DO_blk + offs_m[:, None] * stride_dom, mask=q_mask, other=0.0)
+            if DO_DV:
+                dv += _dot(pT.to(do.dtype), do, DOT_FP32)
+            if DO_DK:
+                dpT = _dot(v, tl.trans(do), DOT_FP32)
+                Di = tl.load(DELTA_h + offs_m, mask=offs_m < S, other=0.0)
+                dsT = pT * (dpT - Di[None, :])
+                if SOFTCAP:
+                    dsT = dsT * (1.0 - t * t)  # d(cap * tanh(x / cap)) = 1 - tanh^2
+                dk += _dot(dsT.to(q.dtype), q, DOT_FP32)
+        return dk, dv
+
+    @triton.jit
+    def _attn_bwd_dkdv(Q, K, V, M, DO, LSE, DELTA, DK, DV,
+                       stride_qb, stride_qh, stride_qm, stride_qd,
+                       stride_kb, stride_kh, stride_kn, stride_kd,
+                       stride_vb, stride_vh, stride_vn, stride_vd,
+                       stride_mb, stride_mh, stride_mm, stride_mn,
+                       stride_dob, stride_doh, stride_dom, stride_dod,
+                       stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                       stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                       H, HKV, G, S, SKV, OFF, window, sc_mul, out_mul, scaling,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+                       DO_DK: tl.constexpr, DO_DV: tl.constexpr):
+        # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
+        # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
+        pid_n = tl.program_id(0)
+        bhk = tl.program_id(1)
+        b = bhk // HKV
+        hk = bhk % HKV
+        start_n = pid_n * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_m0 = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
+        kv_mask = offs_n[:, None] < SKV
+        if D_MASK:
+            kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        if DO_DK:
+            v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn
+                        + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        else:
+            v = k  # unused
+        if DO_DK:
+            dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        else:
+            dk = tl.zeros([1, 1], tl.float32)
+        if DO_DV:
+            dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        else:
+            dv = tl.zeros([1, 1], tl.float32)
+        lo, b_, c_, hi = _kv_block_query_ranges(start_n, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                HAS_WINDOW)
+        for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
+            h = hk * G + g
+            Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
+            DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
+            M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
+            LSE_h = LSE + (b * H + h) * S
+            DELTA_h = DELTA + (b * H + h) * S
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
+                                     lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
+                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
+                                     DOT_FP32, DO_DK, DO_DV)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
+                                     b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
+                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, False,
+                                     DOT_FP32, DO_DK, DO_DV)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
+                                     c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
+                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
+                                     DOT_FP32, DO_DK, DO_DV)
+        if DO_DK:
+            dk = dk * scaling
+            tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
+                     + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=kv_mask)
+        if DO_DV:
+            tl.store(DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn
+                     + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+    @triton.jit
+    def _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
+                      stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                      BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
+                      DOT_FP32: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            if BOUNDARY:
+                kv_mask = offs_n[:, None] < SKV
+                if D_MASK:
+                    kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
+            else:
+                if D_MASK:
+                    kv_mask = offs_d[None, :] < D_MASK
+                else:
+                    kv_mask = None
+            k = _load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
+            v = _load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
+            qk = _dot(q, tl.trans(k), DOT_FP32)
+            s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
+            if MASK_KIND != 0:
+                s2 = _apply_mask_tensor(s2, M_blk + offs_n[None, :] * stride_mn,
+                                        (offs_m[:, None] < S) & (offs_n[None, :] < SKV), MASK_KIND)
+            if BOUNDARY:
+                ok = offs_n[None, :] < SKV
+                if IS_CAUSAL:
+                    ok = ok & (offs_n[None, :] <= offs_m[:, None] + OFF)
+                if HAS_WINDOW:
+                    ok = ok & (offs_m[:, None] + OFF - offs_n[None, :] < window)
+                s2 = tl.where(ok, s2, float("-inf"))
+            p = tl.exp2(s2 - lse2[:, None])
+            dp = _dot(do, tl.trans(v), DOT_FP32)
+            ds = p * (dp - Di[:, None])
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq += _dot(ds.to(k.dtype), k, DOT_FP32)
+        return dq
+
+    @triton.jit
+    def _attn_bwd_dq(Q, K, V, M, DO, LSE, DELTA, DQ,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_mb, stride_mh, stride_mm, stride_mn,
+                     stride_dob, stride_doh, stride_dom, stride_dod,
+                     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                     H, G, S, SKV, OFF, window, sc_mul, out_mul, scaling,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // G
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
+        q_mask = offs_m[:, None] < S
+        if D_MASK:
+            q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+        lse2 = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=float("inf")) * 1.4426950408889634
+        Di = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
+        K_blk = K + b * stride_kb + hk * stride_kh + offs_d[None, :] * stride_kd
+        V_blk = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+        M_blk = M + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+        dq = dq * scaling
+        tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                 dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ================================================================================================ launchers
+def _mask_args(mask, B, Hq, S, Skv, like):
+    """(tensor to pass, 4 strides, MASK_KIND). Broadcast dims get stride 0; bool is read as uint8."""
+    if mask is None:
+        return like, (0, 0, 0, 0), 0
+    m = _expand_mask(mask, B, Hq, S, Skv)
+    st = list(m.stride())
+    if m.shape[1] != Hq:  # head-broadcast mask: stride 0 over q heads
+        st[1] = 0
+    for i, n in enumerate(m.shape):
+        if n == 1:
+            st[i] = 0
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), tuple(st), 2
+    return m, tuple(st), 1
+
+
+def _scalars(scaling, softcap):
+    if softcap:
+        return scaling / softcap, softcap * LOG2E
+    return 1.0, scaling * LOG2E
+
+
+def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None):
+    """Launch ``_attn_fwd``. Returns (out contiguous [B, Hq, S, Dh], lse [B, Hq, S] fp32)."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    BLOCK_D = max(16, triton.next_power_of_2(Dh))
+    cfg = _config("fwd", BLOCK_D, q.dtype, config)
+    out = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    mt, ms, kind = _mask_args(mask, B, Hq, S, Skv, q)
+    sc_mul, out_mul = _scalars(scaling, softcap)
+
+    def launch(c):
+        BM, BN, nw, ns = c[:4]
+        _attn_fwd[(triton.cdiv(S, BM), B * Hq)](
+            q, k, v, mt, out, lse, *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+            Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
+            HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=bool(softcap), MASK_KIND=kind,
+            IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
+            DOT_FP32=interpreting() or q.dtype == torch.float32, num_warps=nw, num_stages=ns)
+
+    _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window)), launch)
+    return out, lse
+
+
+def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, config=None):
+    """Launch the three backward kernels. Returns contiguous (dq, dk, dv) in the inputs' dtypes."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    BLOCK_D = max(16, triton.next_power_of_2(Dh))
+    dot32 = interpreting() or q.dtype == torch.float32
+    delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    PRE_M = 16 if interpreting() else 64
+    _attn_bwd_pre[(triton.cdiv(S, PRE_M), B * Hq)](out, do, delta, *out.stride(), *do.stride(), Hq, S,
+                                                   HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=PRE_M)
+    mt, ms, kind = _mask_args(mask, B, Hq, S, Skv, q)
+    sc_mul, out_mul = _scalars(scaling, softcap)
+    dq = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, Hkv, Skv, Dh, dtype=k.dtype, device=q.device)
+    dv = torch.empty(B, Hkv, Skv, Dh, dtype=v.dtype, device=q.device)
+    common = dict(HEAD_DIM=Dh, BLOCK_D=BLOCK_D, SOFTCAP=bool(softcap), MASK_KIND=kind, IS_CAUSAL=bool(causal),
+                  HAS_WINDOW=bool(window), DOT_FP32=dot32)
+    key = (BLOCK_D, q.dtype, kind, bool(window))
+
+    def launch_dkdv(c):
+        BM, BN, nw, ns, *split = c
+        # split (5th config field): dK and dV in two launches, each holding one fp32 accumulator
+        passes = [(True, False), (False, True)] if split and split[0] else [(True, True)]
+        for do_dk, do_dv in passes:
+            _attn_bwd_dkdv[(triton.cdiv(Skv, BN), B * Hkv)](
+                q, k, v, mt, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms, *do.stride(),
+                *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
+                float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk, DO_DV=do_dv,
+                **common)
+
+    def launch_dq(c):
+        BM, BN, nw, ns = c[:4]
+        _attn_bwd_dq[(triton.cdiv(S, BM), B * Hq)](
+            q, k, v, mt, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *do.stride(),
+            *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling),
+            BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, **common)
+
+    _launch("dkdv", _attn_bwd_dkdv, None, _config("dkdv", BLOCK_D, q.dtype, config), key, launch_dkdv)
+    _launch("dq", _attn_bwd_dq, None, _config("dq", BLOCK_D, q.dtype, config), key, launch_dq)
+    return dq, dk, dv

@@ -1,0 +1,188 @@
+"""``fxfuse::softcap_attention``: Gemma-2 style attention (tanh logit softcap, GQA, causal / sliding window /
+mask tensor) as a flash-attention custom op with its own backward.
+
+What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
+
+    node = graph.call_function(
+        torch.ops.fxfuse.softcap_attention.default,
+        (q, k, v, mask, scaling, softcap, causal, window))
+    out = graph.call_function(operator.getitem, (node, 0))
+
+    q     Tensor [B, Hq, S, Dh]        bf16 / fp16 / fp32, any strides (HF's transpose(1, 2) views are fine)
+    k, v  Tensor [B, Hkv, Skv, Dh]     same dtype; Hq % Hkv == 0. Pass the kv heads BEFORE repeat_kv.
+    mask  Tensor or None               additive float (values <= -65504 count as masked; HF's finfo.min
+                                       padding entries therefore do) or bool (True = keep); broadcastable
+                                       to [B, Hq, S, Skv]: 2-D [S, Skv] .. 4-D [B|1, Hq|1, S|1, Skv]. Pass it
+                                       already sliced to [..., :Skv] (HF's causal_mask[:, :, :, :k.shape[-2]]).
+    scaling float                      the factor applied to q @ k^T (Gemma-2: query_pre_attn_scalar ** -0.5)
+    softcap float                      0.0 = no softcap (Gemma-2: attn_logit_softcapping, e.g. 50.0)
+    causal  bool                       index-computed causal mask, bottom-right aligned when Skv != S
+    window  int                        0 = none; else also keep only qi + (Skv - S) - ki < window (needs causal)
+    ->  out  [B, Hq, S, Dh] contiguous, q.dtype;   lse [B, Hq, S] fp32 (for the backward; +inf on dead rows)
+
+Either give the causal / window structure as scalars (blocks outside it are skipped: the fast path) or
+through ``mask`` (read blockwise in every block), or both (e.g. causal=True plus a padding mask).
+Rows whose every key is masked output zeros and get zero gradients. Dropout is not supported (a pass must not
+rewrite attention with dropout p > 0 in training). The mask gets no gradient (the public function refuses a
+mask that requires grad). The backward is ``fxfuse::softcap_attention_backward`` (same scalars, plus dout,
+out, lse) -> (dq, dk, dv), contiguous, in the inputs' dtypes.
+
+Dispatch: CUDA tensors -> Triton kernels; anything else -> the blockwise PyTorch path (same semantics, memory
+O(block) of scores). ``FXFUSE_ATTENTION_IMPL=triton`` forces the Triton kernels (on CPU only together with
+``TRITON_INTERPRET=1``, set before Triton is imported), ``=torch`` forces the PyTorch path.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..contracts import OpContract
+from ..kernels import softcap_attention as _k
+
+__all__ = ["softcap_attention", "check_softcap_attention", "OP_NAME", "BACKWARD_OP_NAME"]
+
+OP_NAME = "fxfuse::softcap_attention"
+BACKWARD_OP_NAME = "fxfuse::softcap_attention_backward"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+# ================================================================================================= contract
+def _known(pred) -> bool:
+    """True only when ``pred`` (possibly symbolic) holds for every value of its symbols; adds no guard."""
+    if isinstance(pred, bool):
+        return pred
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(pred))
+    except Exception:
+        return False
+
+
+def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window) -> None:
+    """The op's contract; raises :class:`~fxfuse.errors.FxFuseContractError`. Symbolic sizes: only a provable
+    mismatch raises (the real impl re-checks with concrete sizes)."""
+    c = OpContract(OP_NAME, q=q, k=k, v=v, mask=mask)
+    for n in ("q", "k", "v"):
+        c.ndim(n, 4)
+        c.dtype_in(n, _DTYPES)
+    c.same_dtype("q", "k", "v")
+    c.same_device("q", "k", "v", "mask")
+    c.dim_eq("q", 0, "k", 0)
+    c.dim_eq("k", 0, "v", 0)
+    c.dim_eq("k", 1, "v", 1, hint="k and v must have the same number of kv heads")
+    c.dim_eq("k", 2, "v", 2, hint="k and v must have the same sequence length")
+    c.dim_eq("q", 3, "k", 3, hint="q and k must have the same head_dim")
+    c.dim_eq("k", 3, "v", 3, hint="v's head_dim must equal q's and k's")
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    if _known(Hq % Hkv != 0):
+        c.fail(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})", "pass k/v before repeat_kv")
+    if _known(Dh > MAX_HEAD_DIM):
+        c.fail(f"head_dim {Dh} > {MAX_HEAD_DIM} is not supported")
+    if not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+        c.fail(f"scaling must be a finite float, got {scaling!r}")
+    if softcap is None or softcap < 0 or not math.isfinite(softcap):
+        c.fail(f"softcap must be a finite float >= 0 (0 = none), got {softcap!r}")
+    if window is None or window < 0:
+        c.fail(f"window must be an int >= 0 (0 = none), got {window!r}")
+    if window and not causal:
+        c.fail("a sliding window is only supported together with causal=True")
+    if mask is not None:
+        if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            c.fail(f"mask must be bool (True = keep) or an additive float mask, got {mask.dtype}")
+        c.ndim("mask", (2, 3, 4))
+        target = (B, Hq, S, Skv)
+        names = ("batch", "q heads", "query length S", "key length Skv")
+        for i in range(1, mask.dim() + 1):
+            md, td = mask.shape[-i], target[-i]
+            if _known(md != 1) and _known(md != td):
+                c.fail(f"mask {list(mask.shape)} does not broadcast to [B, Hq, S, Skv] = {list(target)}: "
+                       f"dim {-i} is {md}, expected 1 or {td} ({names[-i]})",
+                       "slice the mask to the keys actually attended (mask[..., :Skv]); a per-kv-head mask "
+                       "must be repeated to the q heads")
+
+
+# ================================================================================================ custom ops
+def _use_triton(t: Tensor) -> bool:
+    mode = os.environ.get("FXFUSE_ATTENTION_IMPL", "auto").lower()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return _k.HAS_TRITON
+    return t.is_cuda and _k.HAS_TRITON
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _softcap_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scaling: float,
+                          softcap: float, causal: bool, window: int) -> Tuple[Tensor, Tensor]:
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+    if _use_triton(q):
+        return _k.attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window)
+    return _k.attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window)
+
+
+@_softcap_attention_op.register_fake
+def _(q, k, v, mask, scaling, softcap, causal, window):
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+    B, Hq, S, Dh = q.shape
+    out = q.new_empty((B, Hq, S, Dh))  # contiguous, like the real impls
+    lse = q.new_empty((B, Hq, S), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
+def _softcap_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                                   out: Tensor, lse: Tensor, scaling: float, softcap: float, causal: bool,
+                                   window: int) -> Tuple[Tensor, Tensor, Tensor]:
+    if _use_triton(q):
+        return _k.attention_bwd_triton(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window)
+    return _k.attention_bwd_torch(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window)
+
+
+@_softcap_attention_backward_op.register_fake
+def _(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scaling, softcap, causal, window = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.args = (scaling, softcap, causal, window)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    # lse is an auxiliary output (non-differentiable); its gradient, if any, is ignored.
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fxfuse.softcap_attention_backward(dout, q, k, v, mask, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_softcap_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ============================================================================================ public function
+def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None,
+                      scaling: Optional[float] = None, softcap: Optional[float] = None, causal: bool = False,
+                      window: Optional[int] = None) -> Tensor:
+    """Gemma-2 eager attention without materialising scores: ``softmax(cap*tanh(q k^T * scaling / cap) +
+    mask) @ v`` with GQA, causal / sliding window and a mask tensor. See the module docstring.
+
+    ``scaling`` defaults to ``head_dim ** -0.5``; ``softcap`` None/0 = none; ``window`` None/0 = none.
+    """
+    scaling = float(q.shape[-1]) ** -0.5 if scaling is None else float(scaling)
+    softcap = float(softcap or 0.0)
+    window = int(window or 0)
+    causal = bool(causal)
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+    if mask is not None and mask.requires_grad:
+        OpContract(OP_NAME, mask=mask).fail("mask must not require grad (the op gives it no gradient)")
+    out, _ = torch.ops.fxfuse.softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+    return out

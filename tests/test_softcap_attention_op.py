@@ -1,0 +1,231 @@
+"""fxfuse::softcap_attention: CPU path, Triton kernels under the interpreter, torch.compile, contracts.
+
+Every check draws fresh random inputs and compares output and dq/dk/dv with the float64 eager formula
+(``attention_reference``: repeat_interleave for GQA, fully masked rows -> zeros) by relative norm error.
+Run: cd /work/main && PYTHONPATH=. python -m pytest tests/test_softcap_attention_op.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fxfuse.errors import FxFuseContractError
+from fxfuse.kernels import softcap_attention as K
+from fxfuse.ops.softcap_attention import softcap_attention
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_case(B, Hq, Hkv, S, Dh, dtype, mask_kind=None, Skv=None, dead_rows=(), seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    Skv = S if Skv is None else Skv
+    q = (torch.randn(B, Hq, S, Dh, generator=g) * 2).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv, Skv, Dh, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, Skv, Dh, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, Hq, S, Dh, generator=g).to(dtype)
+    mask = None
+    if mask_kind == "additive":  # padding-style: random biases, some -inf keys, fully dead rows
+        mask = torch.randn(B, 1, S, Skv, generator=g)
+        mask[0, :, :, : Skv // 5] = float("-inf")  # left padding of batch 0's keys
+        for r in dead_rows:
+            mask[-1, :, r] = torch.finfo(torch.float32).min if r % 2 else float("-inf")
+        mask = mask.to(dtype)
+    elif mask_kind == "bool":
+        mask = torch.rand(B, Hq, S, Skv, generator=g) > 0.3
+        for r in dead_rows:
+            mask[:, :, r] = False
+    return q, k, v, do, mask
+
+
+def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, tol=None):
+    fn = fn or softcap_attention
+    out = fn(q, k, v, mask=mask, scaling=scaling, softcap=softcap, causal=causal, window=window)
+    out.backward(do)
+    grads = [t.grad for t in (q, k, v)]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = K.attention_reference(qd, kd, vd, mask, scaling, softcap or 0.0, causal, window or 0)
+    ref.backward(do.double())
+    tol = tol or TOL[q.dtype]
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    errs = {"out": rel(out, ref), "dq": rel(grads[0], qd.grad), "dk": rel(grads[1], kd.grad),
+            "dv": rel(grads[2], vd.grad)}
+    assert all(e < tol for e in errs.values()), errs
+    return out, grads
+
+
+@pytest.fixture(autouse=True)
+def small_cpu_chunks(monkeypatch):
+    # force several query chunks in the blockwise CPU path even at tiny S
+    monkeypatch.setattr(K, "_CPU_SCORE_BUDGET", 1)
+    monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", "auto")
+
+
+CASES = [  # B, Hq, Hkv, S, Dh, softcap, causal, window, mask_kind
+    (2, 4, 2, 37, 64, 50.0, True, 0, None),       # GQA 2:1, S not a multiple of 16
+    (1, 4, 1, 50, 64, 0.0, True, 0, None),        # GQA 4:1 (MQA-like), no softcap
+    (1, 4, 2, 70, 64, 50.0, True, 9, None),       # sliding window much shorter than the sequence
+    (2, 2, 2, 33, 128, 30.0, False, 0, "additive"),
+    (2, 4, 2, 24, 128, 50.0, True, 0, "bool"),
+    (1, 2, 1, 20, 256, 50.0, True, 0, None),      # Gemma-2 head_dim, tiny S
+    (1, 2, 2, 19, 80, 20.0, True, 5, "additive"),  # head_dim not a power of two
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}/{}S{}D{}cap{}c{}w{}{}".format(*c))
+def test_cpu_path_matches_reference(case, dtype):
+    B, Hq, Hkv, S, Dh, cap, causal, win, mk = case
+    q, k, v, do, mask = make_case(B, Hq, Hkv, S, Dh, dtype, mk, dead_rows=(3,))
+    check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
+
+
+def test_fully_masked_rows_zero_output_and_grads():
+    for mk in ("additive", "bool"):
+        q, k, v, do, mask = make_case(2, 4, 2, 29, 64, torch.float32, mk, dead_rows=(0, 5, 6))
+        out, (dq, dk, dv) = check(q, k, v, do, mask, softcap=50.0, causal=True, window=0)
+        b = slice(None) if mk == "bool" else -1
+        assert (out[b][..., [0, 5, 6], :] == 0).all()
+        assert (dq[b][..., [0, 5, 6], :] == 0).all()
+
+
+def test_causal_rows_before_first_key_and_s_ne_skv():
+    # bottom-right aligned causal with Skv < S: the first S - Skv query rows see no key -> zeros
+    q, k, v, do, _ = make_case(1, 2, 1, 30, 64, torch.float32, Skv=21)
+    out, _ = check(q, k, v, do, None, softcap=50.0, causal=True, window=4)
+    assert (out[:, :, :9] == 0).all()
+    q, k, v, do, _ = make_case(1, 2, 1, 17, 64, torch.float32, Skv=40)  # prefix keys (Skv > S)
+    check(q, k, v, do, None, softcap=0.0, causal=True, window=0)
+
+
+def test_scaling_and_mask_broadcast_forms():
+    q, k, v, do, _ = make_case(2, 4, 2, 26, 64, torch.float32)
+    pad = torch.ones(2, 26, dtype=torch.bool)
+    pad[1, :7] = False
+    check(q, k, v, do, pad[:, None, None, :], softcap=50.0, causal=True, window=0, scaling=0.0625)
+    q, k, v, do, _ = make_case(1, 2, 2, 26, 64, torch.float32)
+    m2 = torch.randn(26, 26)  # 2-D [S, Skv]
+    check(q, k, v, do, m2, softcap=10.0, causal=False, window=0)
+
+
+# ------------------------------------------------------------------------------------- Triton interpreter
+_INTERP_SCRIPT = textwrap.dedent(r"""
+    import json, torch
+    import tests.test_softcap_attention_op as T
+    from fxfuse.kernels import softcap_attention as K
+    assert K.interpreting()
+    res = []
+    cases = [  # B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mask, dtype
+        (2, 4, 2, 37, 37, 64, 50.0, True, 0, None, torch.float32),
+        (1, 4, 1, 45, 45, 64, 0.0, True, 7, None, torch.float32),
+        (2, 2, 2, 27, 27, 32, 30.0, False, 0, "additive", torch.float32),
+        (1, 4, 2, 24, 24, 64, 50.0, True, 0, "bool", torch.float32),
+        (1, 2, 1, 18, 18, 256, 50.0, True, 0, None, torch.float32),
+        (1, 2, 2, 19, 19, 80, 20.0, True, 5, "additive", torch.float32),
+        (1, 2, 1, 30, 21, 64, 50.0, True, 4, None, torch.float32),
+        (2, 4, 2, 33, 33, 64, 50.0, True, 0, "additive", torch.bfloat16),
+    ]
+    for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases:
+        q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
+        try:
+            T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
+            res.append([str(dt), S, Dh, "ok"])
+        except AssertionError as e:
+            res.append([str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    # dK and dV in two launches (the head_dim-256 GPU config) instead of one
+    K.INTERPRET_CONFIG["dkdv"] = (16, 16, 4, 1, 1)
+    for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases[1:3]:
+        q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
+        try:
+            T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
+            res.append(["split", str(dt), S, Dh, "ok"])
+        except AssertionError as e:
+            res.append(["split", str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    print("RESULT " + json.dumps(res))
+""")
+
+
+def test_triton_kernels_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", FXFUSE_ATTENTION_IMPL="triton",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    bad = [r for r in res if r[-1] != "ok"]
+    assert not bad, bad
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_dynamic_no_recompile(backend, monkeypatch):
+    monkeypatch.setattr(K, "_CPU_SCORE_BUDGET", 32 * 2**20)
+    torch._dynamo.reset()
+
+    def f(q, k, v, mask):
+        return softcap_attention(q, k, v, mask=mask, softcap=50.0, causal=True, scaling=0.1)
+
+    cf = torch.compile(f, backend=backend, dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for S in (24, 41, 66):
+            q, k, v, do, mask = make_case(2, 4, 2, S, 64, torch.float32, "additive")
+            check(q, k, v, do, mask, softcap=50.0, causal=True, window=0, scaling=0.1,
+                  fn=lambda q, k, v, **kw: cf(q, k, v, kw["mask"]))
+
+
+def test_compile_contract_error():
+    torch._dynamo.reset()
+    cf = torch.compile(lambda q, k, v, m: softcap_attention(q, k, v, mask=m, causal=True), backend="aot_eager")
+    q, k, v, _, _ = make_case(1, 2, 1, 16, 64, torch.float32)
+    with pytest.raises(FxFuseContractError, match="key length"):
+        cf(q, k, v, torch.zeros(16, 24))
+
+
+# ------------------------------------------------------------------------------------------------ contract
+def test_contract_errors():
+    q, k, v, _, _ = make_case(1, 4, 2, 16, 64, torch.float32)
+    with pytest.raises(FxFuseContractError, match="key length"):  # a mask longer than the keys
+        softcap_attention(q, k, v, mask=torch.zeros(1, 1, 16, 32))
+    with pytest.raises(FxFuseContractError, match="query length"):  # a mask for another sequence
+        softcap_attention(q, k, v, mask=torch.zeros(1, 1, 12, 16, dtype=torch.bool))
+    with pytest.raises(FxFuseContractError, match="q heads"):  # a per-kv-head mask
+        softcap_attention(q, k, v, mask=torch.zeros(1, 2, 16, 16))
+    with pytest.raises(FxFuseContractError, match="bool"):
+        softcap_attention(q, k, v, mask=torch.zeros(1, 1, 16, 16, dtype=torch.int64))
+    with pytest.raises(FxFuseContractError, match="multiple of kv heads"):
+        softcap_attention(q, k[:, :1].expand(1, 3, 16, 64), v[:, :1].expand(1, 3, 16, 64))
+    with pytest.raises(FxFuseContractError, match="causal"):
+        softcap_attention(q, k, v, window=4)
+    with pytest.raises(FxFuseContractError, match="dtype mismatch"):
+        softcap_attention(q, k.double().float().half(), v)
+
+
+def test_fake_impl_shapes_strides_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.randn(2, 24, 4, 64).transpose(1, 2)  # HF layout: a [B, S, H, D] buffer viewed as [B, H, S, D]
+    k = torch.randn(2, 2, 24, 64)
+    v = torch.randn(2, 2, 24, 64)
+    mask = torch.zeros(2, 1, 24, 24)
+    out, lse = torch.ops.fxfuse.softcap_attention(q, k, v, mask, 0.125, 50.0, True, 0)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fm = (mode.from_tensor(t) for t in (q, k, v, mask))
+        fo, fl = torch.ops.fxfuse.softcap_attention(fq, fk, fv, fm, 0.125, 50.0, True, 0)
+    assert (fo.shape, fo.stride(), fo.dtype) == (out.shape, out.stride(), out.dtype)
+    assert (fl.shape, fl.stride(), fl.dtype) == (lse.shape, lse.stride(), lse.dtype)
+    for args in [(q, k, v, mask, 0.125, 50.0, True, 0), (q, k, v, None, 0.125, 0.0, True, 5)]:
+        torch.library.opcheck(torch.ops.fxfuse.softcap_attention.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
