@@ -226,7 +226,7 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
                   grad_in_forward=grad_in_forward, tokens_x_vocab=rows_x_vocab, lazy_logits_outputs=lazy,
                   logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still])
     op = f"{kind} <- {op_kind(chain.projection)} ({'softcap ' + format(chain.softcap, 'g') + ', ' if chain.softcap else ''}" \
-         f"scale {chain.scale:g}, reduction {reduction})"
+         f"scale {chain.scale:g}, reduction {reduction})" + ("; returned logits are lazy" if lazy else "")
     ctx.fused(fused, op, saved_bytes=saved, **detail)
     return True
 

@@ -1,6 +1,15 @@
 """Fused ops, callable directly (eager or under torch.compile) and inserted into graphs by fxfuse's passes.
 
 Each op is a ``torch.library.custom_op`` in the ``fxfuse::`` namespace (so it shows as such in profiler traces)
-with a fake impl, an autograd formula, a Triton path for CUDA and a chunked PyTorch path for CPU.
+with a fake impl, an autograd formula, a Triton path for CUDA and a chunked PyTorch path for CPU, and checks its
+contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError` in eager and under compile.
+
+* :func:`linear_cross_entropy` — ``cross_entropy(f(hidden @ weight.T + bias), target)`` without materialising
+  the logits (``f``: optional scale and tanh softcap).
+* :func:`softcap_attention` — ``softmax(softcap(q @ k.T * scaling) + mask) @ v`` flash-attention style, GQA
+  without repeating K/V, causal / sliding window / mask tensors.
 """
-__all__: list = []
+from .linear_cross_entropy import linear_cross_entropy
+from .softcap_attention import softcap_attention
+
+__all__ = ["linear_cross_entropy", "softcap_attention"]
