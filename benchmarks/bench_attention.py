@@ -20,6 +20,8 @@ import time
 import traceback
 
 import torch
+
+from _common import bench, rel  # noqa: E402  (same method as the anchors)
 import torch.nn.functional as F
 
 from fxfuse.kernels import softcap_attention as K
@@ -51,27 +53,6 @@ def save():
 
 def late():
     return time.time() - T0 > DEADLINE
-
-
-def rel(a, b):
-    a, b = a.float(), b.float()
-    return float(f"{((a - b).norm() / b.norm().clamp_min(1e-30)).item():.2e}")
-
-
-def bench(fn):
-    """median ms (do_bench, events) and peak extra memory (GiB) of one call, as anchors_gpu.py does."""
-    import triton.testing
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 # ------------------------------------------------------------------------------------------------ check

@@ -5,7 +5,8 @@ timing and peak-memory method), for fxfuse variants the anchor script does not c
 * ``fxfuse+read-logits`` a metric reads the logits every step (token accuracy under no_grad): they materialise;
 * ``fxfuse-materialize`` pass option ``logits="materialize"`` (real logits returned from the graph).
 
-Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...]
+Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...] [llama|gemma2] [B]
+(``eager`` and ``inductor`` are accepted too, for runs the anchor script does not cover.)
 """
 import json
 import os
@@ -25,18 +26,33 @@ def emit(**row):
 
 def main():
     import fxfuse  # noqa: F401  (registers the backend when run from a source tree)
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     dev = "cuda"
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=True)
-    B, S = 4, 2048
+    shape = sys.argv[2] if len(sys.argv) > 2 else "llama"
+    if shape == "gemma2":  # the anchors' Gemma-2-2B shape, eager attention (transformers refuses sdpa + softcap)
+        cfg = Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                           num_key_value_heads=4, head_dim=256, vocab_size=256000, sliding_window=4096,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        B, S, attn, name = 1, 4096, "eager", "gemma2-2b shape"
+    else:
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                          tie_word_embeddings=True)
+        B, S, attn, name = 4, 2048, "sdpa", "llama3.2-1b shape"
+    B = int(sys.argv[3]) if len(sys.argv) > 3 else B
     impls = (sys.argv[1] if len(sys.argv) > 1 else "fxfuse,fxfuse+read-logits,fxfuse-materialize").split(",")
     for impl in impls:
+      try:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).to(dev)
         opts = {"pass_options": {"linear_cross_entropy": {"logits": "materialize"}}} if "materialize" in impl else None
-        fwd = torch.compile(model, backend="fxfuse", options=opts)
+        if impl == "eager":
+            fwd = model
+        elif impl == "inductor":
+            fwd = torch.compile(model)
+        else:
+            fwd = torch.compile(model, backend="fxfuse", options=opts)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
         ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev)
         acc = []
@@ -66,14 +82,16 @@ def main():
         dt = (time.perf_counter() - t0) / n
         peak = torch.cuda.max_memory_allocated() / 2**30
         rep = fxfuse.reports()
-        emit(section="e2e", shape="llama3.2-1b shape", impl=impl, tokens_per_s=round(B * S / dt),
+        emit(section="e2e", shape=f"{name} {B}x{S}", impl=impl, tokens_per_s=round(B * S / dt),
              step_ms=round(dt * 1e3, 1), peak_gib=round(peak, 2), first_step_s=round(first, 1), loss0=round(l0, 4),
              loss_last=round(loss, 4), fused=sum(len(r.fused) for r in rep),
              pass_ms=round(sum(r.total_pass_ms for r in rep), 1))
         del model, opt, fwd
-        torch._dynamo.reset()
-        fxfuse.clear_reports()
-        torch.cuda.empty_cache()
+      except Exception as e:  # an OOM is a result too
+        emit(section="e2e", shape=f"{name} {B}x{S}", impl=impl, error=f"{type(e).__name__}: {str(e)[:200]}")
+      torch._dynamo.reset()
+      fxfuse.clear_reports()
+      torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import time
 import traceback
 
 import torch
+
+from _common import bench, rel  # noqa: E402  (same method as the anchors)
 import torch.nn.functional as F
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -43,33 +45,6 @@ ROWS = []
 def emit(**row):
     ROWS.append(row)
     print(json.dumps(row), flush=True)
-
-
-def bench(fn, warmup=3, reps=10):
-    """median ms of fn() and peak extra memory (GiB) of one call (identical to anchors_gpu.py)."""
-    for _ in range(warmup):
-        fn()
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-        import triton.testing
-        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        return ms, peak
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter(); fn(); ts.append((time.perf_counter() - t) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2], float("nan")
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def env_row():

@@ -1,0 +1,36 @@
+"""Measurement helpers shared by the GPU benchmark scripts: the same method as ../shared/anchors/anchors_gpu.py,
+so fxfuse rows compare with the anchor rows."""
+import time
+
+import torch
+
+
+def bench(fn, warmup=3, reps=10):
+    """Median ms of ``fn()`` (triton's do_bench, CUDA events) and peak extra memory (GiB) of one call."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        import triton.testing
+
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2], float("nan")
+
+
+def rel(a, b):
+    """Norm-relative error of ``a`` against ``b`` (in fp32), rounded for JSON."""
+    a, b = a.float(), b.float()
+    return float(f"{((a - b).norm() / b.norm().clamp_min(1e-30)).item():.2e}")
