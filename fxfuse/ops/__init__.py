@@ -6,10 +6,14 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 
 * :func:`linear_cross_entropy` — ``cross_entropy(f(hidden @ weight.T + bias), target)`` without materialising
   the logits (``f``: optional scale and tanh softcap).
+* :func:`linear_log_probs` — per-token ``log_softmax(z)[index]`` and optional entropy of
+  ``z = softcap(hidden @ weight.T + bias) / temperature`` (RL / preference losses), arbitrary per-token upstream
+  gradients, logits never materialised.
 * :func:`softcap_attention` — ``softmax(softcap(q @ k.T * scaling) + mask) @ v`` flash-attention style, GQA
   without repeating K/V, causal / sliding window / mask tensors.
 """
 from .linear_cross_entropy import linear_cross_entropy
+from .linear_log_probs import linear_log_probs
 from .softcap_attention import softcap_attention
 
-__all__ = ["linear_cross_entropy", "softcap_attention"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "softcap_attention"]

@@ -1,0 +1,345 @@
+"""Fused linear + per-token log-probabilities (and entropy): the row kernel, its launcher, a PyTorch row path,
+the chunk drivers and a float64 reference, side by side.
+
+What is computed (``fxfuse::linear_log_probs``), for every token row t (no ignore_index: every row is real)::
+
+    logits = hidden @ weight.T (+ bias)                      # [N, V], cuBLAS, in the input dtype
+    z      = logits                                          # fp32 from here on
+    z      = softcap * tanh(z / softcap)       if softcap    # FIRST the softcap (Gemma-2: inside the model)
+    z      = z / temperature                                 # THEN the temperature (TRL: in the trainer)
+    lse_t  = logsumexp(z_t)
+    logp_t = z_t[index_t] - lse_t                            # = log_softmax(z_t)[index_t]
+    H_t    = lse_t - sum_v p_t,v * z_t,v                     # entropy, p = softmax(z)
+
+The order softcap -> temperature is TRL's (GRPO/DPO trainers divide the model's logits, which Gemma-2 has already
+softcapped, by the temperature): ``z = softcap(logits) / temperature``.
+
+Gradients (backward by recomputation; the forward saves lse [N] and, with entropy, E_p[z] [N], both fp32), for
+arbitrary per-token upstream grads g_logp [N] and g_ent [N] (advantages, masks, importance ratios)::
+
+    d logp_t / d z_t = onehot(index_t) - p_t
+    d H_t    / d z_t = -p_t * (z_t - E_p[z_t])
+    d z / d logits   = (1 - tanh^2(logits / softcap)) / temperature      (1 / temperature without softcap)
+
+Memory: like the LCE op (:mod:`fxfuse.kernels.linear_cross_entropy`, whose chunk loop this module reuses), one
+[C, V] logits buffer of ``chunk_bytes`` (default 256 MiB) is reused across token chunks; the row kernel reads it
+(forward: lse, the picked logit, the entropy) or overwrites it in place with d loss / d logits (backward), and
+cuBLAS does the three matmuls (logits chunk, grad_hidden[chunk] = dlogits @ W, grad_weight += dlogits^T @ h).
+
+Entropy precision: the row kernel keeps, per lane, online (max m, sum e^(z-m), the same sum without the lane's
+max element, sum e^(z-m) (z-m)), so ``H = log1p(S - 1) - T / S`` with S = sum e^(z-mx), T = sum e^(z-mx) (z-mx):
+both terms are >= 0 (no cancellation between lse and E_p[z], which loses ~|z| * 1e-7 absolute in fp32) and
+S - 1 is summed without the max element's 1 (log S alone loses entropies below ~1e-7 of nearly one-hot rows).
+
+The PyTorch row step (``_rows_torch_*``) runs on CPU and is the CI twin of the kernel; the Triton kernel runs on
+CUDA, or on CPU under ``TRITON_INTERPRET=1`` when ``FORCE_TRITON`` (env ``FXFUSE_LOGP_FORCE_TRITON=1``) is set.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, HAVE_TRITON, _chunk_loop, rows_per_chunk
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .linear_cross_entropy import _tanh
+else:  # pragma: no cover
+    triton = tl = None
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "FORCE_TRITON",
+    "logp_forward",
+    "logp_backward",
+    "logp_reference",
+    "rows_per_chunk",
+]
+
+#: Run the Triton row kernel on CPU tensors too (needs TRITON_INTERPRET=1); for tests.
+FORCE_TRITON = os.environ.get("FXFUSE_LOGP_FORCE_TRITON", "0") == "1"
+#: Row-kernel launch settings (BLOCK_V, num_warps, FAST_TANH); overrides of _ROW_DEFAULTS.
+ROW_CONFIG: dict = {}
+#: Same starting point as the LCE row kernel (benchmarks/lce_notes.md). FAST_TANH (tanh.approx.f32, ~2^-11
+#: relative) is used only for bf16/fp16 logits, where it is below the logits' own rounding; fp32 inputs get the
+#: exact tanh (RL importance ratios exp(logp - old_logp) are sensitive to a 30 * 2^-11 error in z).
+_ROW_DEFAULTS = dict(BLOCK_V=4096, num_warps=16, FAST_TANH=True)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return HAVE_TRITON and (t.device.type == "cuda" or FORCE_TRITON)
+
+
+# ================================================================================================ Triton kernel
+if HAVE_TRITON:
+
+    @triton.jit
+    def _logp_rows_kernel(
+        logits_ptr, stride_row,          # [C, V] chunk; overwritten with d loss / d logits when BACKWARD
+        index_ptr,                       # [C] int64
+        logp_ptr, ent_ptr,               # [C] fp32 outputs (forward)
+        lse_ptr, ez_ptr,                 # [C] fp32: written (forward) or read (backward); ez = E_p[z]
+        glogp_ptr, stride_gl,            # [C] upstream grad of logp (backward, HAS_GLOGP)
+        gent_ptr, stride_ge,             # [C] upstream grad of the entropy (backward, HAS_GENT)
+        V, inv_temp, softcap, inv_softcap,
+        BACKWARD: tl.constexpr, ENTROPY: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
+        SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, FAST_TANH: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # int64: C * V exceeds 2**31 for big budgets
+        base = logits_ptr + row * stride_row
+        y = tl.load(index_ptr + row)
+        cols0 = tl.arange(0, BLOCK_V)
+
+        if not BACKWARD:
+            # One pass, per-lane online softmax statistics (finite -1e30 start: never inf - inf):
+            #   m: running max; r = sum e^(z-m) over the lane's elements EXCEPT its max (so S - 1 stays exact
+            #   for peaked rows; -1 = lane not hit yet); t = sum e^(z-m) (z-m)  (r, t only with ENTROPY)
+            m = tl.full([BLOCK_V], -1e30, dtype=tl.float32)
+            s = tl.zeros([BLOCK_V], dtype=tl.float32)
+            r = tl.full([BLOCK_V], -1.0, dtype=tl.float32)
+            t = tl.zeros([BLOCK_V], dtype=tl.float32)
+            zy = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):
+                cols = start + cols0
+                mask = cols < V
+                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                if SOFTCAP:
+                    z = softcap * _tanh(z * inv_softcap, FAST_TANH)
+                z = z * inv_temp
+                zm = tl.where(mask, z, -float("inf"))
+                m_new = tl.maximum(m, zm)
+                a = tl.exp(m - m_new)
+                e = tl.exp(zm - m_new)  # 0 on masked lanes
+                if ENTROPY:
+                    t = a * (t + (m - m_new) * s) + tl.where(mask, e * (z - m_new), 0.0)
+                    r = tl.where(zm > m, (r + 1.0) * a, r + e)  # new max: the old max joins the rest
+                s = s * a + e
+                m = m_new
+                zy += tl.where(cols == y, z, 0.0)
+            mx = tl.max(m, axis=0)
+            w = tl.exp(m - mx)
+            S = tl.sum(s * w, axis=0)
+            lse = mx + tl.log(S)
+            tl.store(lse_ptr + row, lse)
+            tl.store(logp_ptr + row, tl.sum(zy, axis=0) - lse)
+            if ENTROPY:
+                # H = log S - T/S with S = sum e^(z-mx) = 1 + Sm1, T = sum e^(z-mx) (z-mx) <= 0; both terms >= 0
+                # (no lse - E_p[z] cancellation) and log S = log1p(Sm1) keeps nearly one-hot rows exact.
+                T = tl.sum(w * (t + (m - mx) * s), axis=0)  # lanes never hit: w = 0, s = 0
+                at_max = m == mx
+                Sm1 = (tl.sum(tl.where(m > -1e30, w * r, 0.0), axis=0)
+                       + tl.sum(tl.where(at_max, 0.0, w), axis=0) + (tl.sum(at_max.to(tl.float32), axis=0) - 1.0))
+                u = 1.0 + Sm1
+                log1p_s = tl.where(u == 1.0, Sm1, tl.log(u) * (Sm1 / tl.where(u == 1.0, 1.0, u - 1.0)))  # Goldberg's log1p
+                ent = log1p_s - T / S
+                tl.store(ent_ptr + row, ent)
+                tl.store(ez_ptr + row, mx + T / S)
+        else:
+            # d loss / d z = g_logp * (onehot - p) - g_ent * p * (z - E_p[z]); times dz/dlogit.
+            lse = tl.load(lse_ptr + row)
+            gl = 0.0
+            ge = 0.0
+            ez = 0.0
+            if HAS_GLOGP:
+                gl = tl.load(glogp_ptr + row * stride_gl).to(tl.float32)
+            if HAS_GENT:
+                ge = tl.load(gent_ptr + row * stride_ge).to(tl.float32)
+                ez = tl.load(ez_ptr + row)
+            for start in range(0, V, BLOCK_V):
+                cols = start + cols0
+                mask = cols < V
+                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                if SOFTCAP:
+                    th = _tanh(z * inv_softcap, FAST_TANH)
+                    z = softcap * th
+                z = z * inv_temp
+                p = tl.exp(z - lse)
+                d = tl.zeros([BLOCK_V], dtype=tl.float32)
+                if HAS_GLOGP:
+                    d = tl.where(cols == y, gl, 0.0) - p * gl
+                if HAS_GENT:
+                    d = d - ge * p * (z - ez)
+                d = d * inv_temp
+                if SOFTCAP:
+                    d = d * (1.0 - th * th)
+                tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap, backward):
+    C, V = buf.shape
+    if C == 0:
+        return
+    assert buf.stride(1) == 1, "logits chunk rows must be contiguous"
+    cfg = {**_ROW_DEFAULTS, **ROW_CONFIG}
+    BLOCK_V = min(cfg.get("BLOCK_V") or 4096, triton.next_power_of_2(V))
+    num_warps = cfg.get("num_warps") or (16 if BLOCK_V >= 4096 else (8 if BLOCK_V >= 1024 else 4))
+    num_warps = min(num_warps, max(1, BLOCK_V // 32))
+    fast_tanh = (bool(cfg.get("FAST_TANH")) and buf.is_cuda and buf.dtype in (torch.bfloat16, torch.float16)
+                 and os.environ.get("TRITON_INTERPRET") != "1")
+    dummy = lse  # any fp32 tensor: pointers the constexpr flags switch off are never dereferenced
+    _logp_rows_kernel[(C,)](
+        buf, buf.stride(0), index,
+        logp if logp is not None else dummy, ent if ent is not None else dummy,
+        lse, ez if ez is not None else dummy,
+        g_logp if g_logp is not None else dummy, g_logp.stride(0) if g_logp is not None else 0,
+        g_ent if g_ent is not None else dummy, g_ent.stride(0) if g_ent is not None else 0,
+        V, 1.0 / float(temperature), float(softcap or 1.0), 1.0 / float(softcap or 1.0),
+        BACKWARD=bool(backward), ENTROPY=ent is not None, HAS_GLOGP=g_logp is not None,
+        HAS_GENT=g_ent is not None, SOFTCAP=bool(softcap), BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh,
+        num_warps=num_warps,
+    )
+
+
+def _rows_triton_fwd(buf, index, logp, ent, lse, ez, temperature, softcap):
+    """Forward row step on one [C, V] chunk (same contract as :func:`_rows_torch_fwd`)."""
+    _launch(buf, index, logp, ent, lse, ez, None, None, temperature, softcap, False)
+
+
+def _rows_triton_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
+    """Backward row step on one [C, V] chunk (same contract as :func:`_rows_torch_bwd`)."""
+    _launch(buf, index, None, None, lse, ez, g_logp, g_ent, temperature, softcap, True)
+
+
+# ================================================================================================ PyTorch twin
+def _z(buf, temperature, softcap):
+    z = buf.float()
+    th = None
+    if softcap:
+        th = torch.tanh(z / softcap)
+        z = th * softcap
+    if temperature != 1.0:
+        z = z / temperature
+    return z, th
+
+
+def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap):
+    """Reads the [C, V] logits in ``buf``; writes logp, lse (and, when ``ent`` is given, the entropy and
+    E_p[z] into ``ent`` / ``ez``), all [C] fp32."""
+    if buf.shape[0] == 0:
+        return
+    z, _ = _z(buf, temperature, softcap)
+    l = torch.logsumexp(z, dim=-1)
+    lse.copy_(l)
+    logp.copy_(z.gather(1, index.unsqueeze(1)).squeeze(1) - l)
+    if ent is not None:
+        # H = log1p(S - 1) - T/S around the row max (as in the kernel): exact for nearly one-hot rows too
+        mx, am = z.max(dim=-1, keepdim=True)
+        zs = z - mx
+        e = zs.exp()
+        S = e.sum(-1)
+        T = (e * zs).sum(-1)
+        Sm1 = e.scatter(1, am, 0.0).sum(-1)  # e^0 = 1 of the (first) max left out
+        h = torch.log1p(Sm1) - T / S
+        ent.copy_(h)
+        ez.copy_(mx.squeeze(1) + T / S)
+
+
+def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
+    """Overwrites ``buf`` (the [C, V] logits) with d(sum g_logp*logp + g_ent*H)/d logits."""
+    if buf.shape[0] == 0:
+        return
+    z, th = _z(buf, temperature, softcap)
+    p = torch.exp(z - lse.unsqueeze(1))
+    if g_logp is not None:
+        gl = g_logp.float().unsqueeze(1)
+        d = p * -gl
+        d.scatter_add_(1, index.unsqueeze(1), gl)
+    else:
+        d = torch.zeros_like(p)
+    if g_ent is not None:
+        d -= g_ent.float().unsqueeze(1) * p * (z - ez.unsqueeze(1))
+    del p, z
+    if temperature != 1.0:
+        d /= temperature
+    if th is not None:
+        d *= 1.0 - th * th
+    buf.copy_(d)
+
+
+# ================================================================================================ chunk drivers
+def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
+                 chunk_bytes: int):
+    """hidden [N, D], weight [V, D], index [N] int64, bias [V] or None.
+
+    Returns (logp [N], entropy [N] or [0], lse [N], ez [N] or [0]), all fp32; ``ez`` = E_p[z] (saved for the
+    entropy gradient)."""
+    N = hidden.shape[0]
+    dev = hidden.device
+    fwd = _rows_triton_fwd if _use_triton(hidden) else _rows_torch_fwd
+    index = index.contiguous()
+    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    lse = torch.empty(N, dtype=torch.float32, device=dev)
+    ent = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
+    ez = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
+
+    def step(buf, s, e):
+        fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[s:e], ez[s:e] if entropy else None,
+            temperature, softcap)
+
+    _chunk_loop(hidden, weight, bias, step, False, False, False, chunk_bytes, False)
+    return logp, ent, lse, ez
+
+
+def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], hidden, weight, index, bias,
+                  lse, ez, temperature: float, softcap: float, need_gh: bool, need_gw: bool, need_gb: bool,
+                  chunk_bytes: int):
+    """Backward by recomputation, for per-token upstream grads ``g_logp`` / ``g_ent`` ([N] each, either None).
+
+    Returns (grad_hidden [N, D], grad_weight [V, D], grad_bias [V]) in the input dtypes; empty [0] tensors for
+    those not asked for."""
+    need_gb = need_gb and bias is not None
+    if g_logp is None and g_ent is None:  # nothing flows back: exact zeros, no matmuls
+        N, D = hidden.shape
+        z = lambda t, shape: t.new_zeros(shape)  # noqa: E731
+        return (z(hidden, (N, D)) if need_gh else hidden.new_empty(0),
+                z(weight, tuple(weight.shape)) if need_gw else hidden.new_empty(0),
+                z(bias, tuple(bias.shape)) if need_gb else hidden.new_empty(0))
+    bwd = _rows_triton_bwd if _use_triton(hidden) else _rows_torch_bwd
+    index = index.contiguous()
+    if g_logp is not None and g_logp.dtype != torch.float32:
+        g_logp = g_logp.float()
+    if g_ent is not None and g_ent.dtype != torch.float32:
+        g_ent = g_ent.float()
+
+    def step(buf, s, e):
+        bwd(buf, index[s:e], lse[s:e], ez[s:e] if g_ent is not None else None,
+            g_logp[s:e] if g_logp is not None else None, g_ent[s:e] if g_ent is not None else None,
+            temperature, softcap)
+
+    return _chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, True)
+
+
+# ================================================================================================ reference
+def logp_reference(hidden, weight, index, bias=None, temperature=1.0, softcap=None, g_logp=None, g_ent=None,
+                   dtype=torch.float64):
+    """float64 reference through plain PyTorch (log_softmax / gather / entropy) and autograd.
+
+    Returns (logp, entropy, grad_hidden, grad_weight, grad_bias) with ``loss = sum(g_logp * logp) +
+    sum(g_ent * entropy)`` (grads None when both upstream grads are None, grad_bias None without bias)."""
+    D = hidden.shape[-1]
+    h = hidden.detach().reshape(-1, D).to(dtype).requires_grad_()
+    w = weight.detach().to(dtype).requires_grad_()
+    b = bias.detach().to(dtype).requires_grad_() if bias is not None else None
+    z = F.linear(h, w, b)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    lsm = torch.log_softmax(z, dim=-1)
+    logp = lsm.gather(1, index.reshape(-1, 1).long()).squeeze(1)
+    ent = -(lsm.exp() * lsm).sum(-1)
+    gh = gw = gb = None
+    if g_logp is not None or g_ent is not None:
+        loss = logp.new_zeros(())
+        if g_logp is not None:
+            loss = loss + (g_logp.reshape(-1).to(dtype) * logp).sum()
+        if g_ent is not None:
+            loss = loss + (g_ent.reshape(-1).to(dtype) * ent).sum()
+        grads = torch.autograd.grad(loss, [h, w] + ([b] if b is not None else []))
+        gh, gw = grads[0].reshape(hidden.shape), grads[1]
+        gb = grads[2] if b is not None else None
+    return logp.detach().reshape(index.shape), ent.detach().reshape(index.shape), gh, gw, gb

@@ -1,0 +1,223 @@
+"""``fxfuse::linear_log_probs``: fused lm-head projection + per-token log-probabilities (+ entropy), as
+torch.library ops, for RL and preference losses (GRPO / PPO / DPO: ``selective_log_softmax`` and
+``entropy_from_logits`` without the [N, V] logits).
+
+Order of the logit transforms (TRL's): ``z = softcap(hidden @ weight.T + bias) / temperature`` with
+``softcap(x) = c * tanh(x / c)`` — the model (Gemma-2) softcaps, the trainer divides by the temperature.
+
+The call a graph pass inserts (ONE node, returns ``(logp, entropy)``, fp32 [N]; ``entropy`` is an empty [0]
+tensor unless ``return_entropy``)::
+
+    torch.ops.fxfuse.linear_log_probs.default(
+        hidden,            # [..., D] (flattened to [N, D]); bf16 / fp16 / fp32
+        weight,            # [V, D], same dtype as hidden
+        index,             # [...] int64 (or int32), numel N; every row is a real token (no ignore_index)
+        bias,              # [V] or None
+        temperature=1.0,   # float > 0
+        softcap=0.0,       # float (0.0 = none)
+        return_entropy=False,
+        chunk_bytes=0,     # logits-chunk budget in bytes (0 = DEFAULT_CHUNK_BYTES, 256 MiB)
+    )
+
+That op is CompositeImplicitAutograd (it reads ``requires_grad`` / grad mode at trace time to decide which
+gradients the backward computes); AOTAutograd decomposes it into
+
+* ``fxfuse::linear_log_probs_fwd(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden,
+  grad_weight, grad_bias, chunk_bytes) -> (logp [N], entropy [N] or [0], lse [N], ez [N] or [0])``
+  (custom_op + register_fake + register_autograd; lse = logsumexp(z), ez = E_p[z], both saved for backward), and
+* ``fxfuse::linear_log_probs_bwd(grad_logp?, grad_entropy?, hidden, weight, index, bias, lse, ez, temperature,
+  softcap, grad_hidden, grad_weight, grad_bias, chunk_bytes) -> (grad_hidden, grad_weight, grad_bias)``
+  (recomputes the logits chunk by chunk; arbitrary per-token upstream grads, either may be None).
+
+The public function is :func:`linear_log_probs`; it checks the contract before calling the op, so the same
+:class:`~fxfuse.errors.FxFuseContractError` fires in eager and under torch.compile.
+
+``index`` values are not range-checked on the device (that would need a host sync): an index outside [0, V)
+raises in the CPU path's ``gather`` but gives ``logp = -lse`` silently in the Triton path.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from ..contracts import OpContract, shape_str
+from ..kernels import linear_log_probs as K
+from .linear_cross_entropy import _known_true
+
+__all__ = ["linear_log_probs"]
+
+_OP = "fxfuse::linear_log_probs"
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ================================================================================================ contract
+def _check_linear_log_probs(hidden, weight, index, bias=None, temperature=1.0, softcap=0.0):
+    """The op's contract, one place for the public function, the fake impl and the real impl.
+
+    (The shape checks mirror ``fxfuse.ops.linear_cross_entropy._check_linear_cross_entropy``, which names its own
+    op in the message and checks LCE-only arguments, hence not reused as is.)"""
+    c = OpContract(_OP, hidden=hidden, weight=weight, index=index, bias=bias)
+    c.ndim("weight", 2)
+    if hidden.dim() < 1:
+        c.fail(f"hidden must have a last (hidden-size) dimension, got a {hidden.dim()}-D tensor")
+    D, (V, Dw) = hidden.shape[-1], weight.shape
+    if _known_true(D == V) and _known_true(V != Dw):
+        c.fail(
+            f"hidden {shape_str(hidden)} looks like logits, not hidden states: its last dimension ({D}) equals "
+            f"the vocabulary size weight.shape[0] ({V}) of weight {shape_str(weight)}, not the hidden size "
+            f"weight.shape[1] ({Dw})",
+            hint="pass the hidden states that go into the lm_head projection (the op computes the logits itself)",
+        )
+    c.dim_eq("hidden", -1, "weight", 1,
+             hint="weight must be [vocab, hidden] (the nn.Linear / lm_head layout), hidden [..., hidden]")
+    c.dtype_in("hidden", _FLOATS)
+    c.same_dtype("hidden", "weight", "bias")
+    c.dtype_in("index", (torch.int64, torch.int32))
+    c.same_device("hidden", "weight", "index", "bias")
+    n_tokens = 1
+    for s in hidden.shape[:-1]:  # a plain product: torch.Size.numel() on SymInts would specialize N
+        n_tokens = n_tokens * s
+    if _known_true(index.numel() != n_tokens):
+        c.fail(f"index {shape_str(index)} has {index.numel()} elements but hidden {shape_str(hidden)} has "
+               f"{n_tokens} tokens", hint="index holds one token id per hidden row (shift it beforehand)")
+    if bias is not None:
+        c.ndim("bias", 1)
+        c.dim_eq("bias", 0, "weight", 0)
+    if not (temperature > 0):
+        c.fail(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and softcap < 0:
+        c.fail(f"softcap must be > 0 (or 0/None for none), got {softcap}")
+
+
+def _chunk_bytes(chunk_bytes: int) -> int:
+    return int(chunk_bytes) if chunk_bytes and chunk_bytes > 0 else K.DEFAULT_CHUNK_BYTES
+
+
+# ================================================================================================ forward op
+@torch.library.custom_op("fxfuse::linear_log_probs_fwd", mutates_args=())
+def linear_log_probs_fwd(
+    hidden: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor], temperature: float, softcap: float,
+    return_entropy: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool, chunk_bytes: int,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
+    return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
+                          bool(return_entropy), _chunk_bytes(chunk_bytes))
+
+
+@linear_log_probs_fwd.register_fake
+def _(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden, grad_weight, grad_bias,
+      chunk_bytes):
+    _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
+    N = hidden.shape[0]
+    f32 = torch.float32
+    logp = hidden.new_empty((N,), dtype=f32)
+    lse = hidden.new_empty((N,), dtype=f32)
+    ent = hidden.new_empty((N,) if return_entropy else (0,), dtype=f32)
+    ez = hidden.new_empty((N,) if return_entropy else (0,), dtype=f32)
+    return logp, ent, lse, ez
+
+
+# ================================================================================================ backward op
+@torch.library.custom_op("fxfuse::linear_log_probs_bwd", mutates_args=())
+def linear_log_probs_bwd(
+    grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor, index: Tensor,
+    bias: Optional[Tensor], lse: Tensor, ez: Tensor, temperature: float, softcap: float, grad_hidden: bool,
+    grad_weight: bool, grad_bias: bool, chunk_bytes: int,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    return K.logp_backward(grad_logp, grad_entropy, hidden, weight, index.long(), bias, lse, ez,
+                           float(temperature), float(softcap), grad_hidden, grad_weight, grad_bias,
+                           _chunk_bytes(chunk_bytes))
+
+
+@linear_log_probs_bwd.register_fake
+def _(grad_logp, grad_entropy, hidden, weight, index, bias, lse, ez, temperature, softcap, grad_hidden,
+      grad_weight, grad_bias, chunk_bytes):
+    N, D = hidden.shape
+    V = weight.shape[0]
+    gh = hidden.new_empty((N, D)) if grad_hidden else hidden.new_empty(0)
+    gw = weight.new_empty((V, D)) if grad_weight else hidden.new_empty(0)
+    gb = bias.new_empty((V,)) if (grad_bias and bias is not None) else hidden.new_empty(0)
+    return gh, gw, gb
+
+
+# ================================================================================================ autograd
+def _setup_context(ctx, inputs, output):
+    (hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden, grad_weight, grad_bias,
+     chunk_bytes) = inputs
+    logp, ent, lse, ez = output
+    ctx.mark_non_differentiable(lse, ez)
+    # An output nobody uses gets a None grad (not a zeros tensor), so its term is skipped in the row kernel.
+    ctx.set_materialize_grads(False)
+    ctx.args = (float(temperature), float(softcap))
+    ctx.flags = (bool(grad_hidden), bool(grad_weight), bool(grad_bias) and bias is not None)
+    ctx.entropy = bool(return_entropy)
+    ctx.chunk_bytes = chunk_bytes
+    ctx.save_for_backward(hidden, weight, index, bias, lse, ez)
+
+
+def _backward(ctx, g_logp, g_ent, _g_lse, _g_ez):
+    hidden, weight, index, bias, lse, ez = ctx.saved_tensors
+    if not ctx.entropy:
+        g_ent = None
+    gh, gw, gb = torch.ops.fxfuse.linear_log_probs_bwd(g_logp, g_ent, hidden, weight, index, bias, lse, ez,
+                                                        *ctx.args, *ctx.flags, ctx.chunk_bytes)
+    fh, fw, fb = ctx.flags
+    return (gh if fh else None, gw if fw else None, None, gb if fb else None,
+            None, None, None, None, None, None, None)
+
+
+linear_log_probs_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ================================================================================================ one-node op
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define(
+    "linear_log_probs(Tensor hidden, Tensor weight, Tensor index, Tensor? bias, float temperature=1.0, "
+    "float softcap=0.0, bool return_entropy=False, int chunk_bytes=0) -> (Tensor, Tensor)"
+)
+
+
+def _linear_log_probs_composite(hidden, weight, index, bias, temperature=1.0, softcap=0.0, return_entropy=False,
+                                chunk_bytes=0):
+    D = hidden.shape[-1]
+    h2 = hidden.reshape(-1, D)
+    i1 = index.reshape(-1)
+    on = torch.is_grad_enabled()
+    gh = on and hidden.requires_grad
+    gw = on and weight.requires_grad
+    gb = on and bias is not None and bias.requires_grad
+    logp, ent, _lse, _ez = torch.ops.fxfuse.linear_log_probs_fwd(
+        h2, weight, i1, bias, float(temperature), float(softcap), bool(return_entropy), gh, gw, gb,
+        int(chunk_bytes))
+    return logp, ent
+
+
+_lib.impl("linear_log_probs", _linear_log_probs_composite, "CompositeImplicitAutograd")
+
+
+# ================================================================================================ public API
+def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *, temperature: float = 1.0,
+                     softcap: Optional[float] = None, bias: Optional[Tensor] = None, return_entropy: bool = False,
+                     chunk_bytes: Optional[int] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Per-token ``log_softmax(z)[index]`` (and entropy) with ``z = softcap(hidden @ weight.T + bias) /
+    temperature``, without materialising the [N, V] logits beyond one chunk.
+
+    Order (TRL's): first the optional softcap ``c * tanh(x / c)`` (Gemma-2 applies it inside the model), then
+    the division by ``temperature`` (TRL's trainers divide the model's logits by it).
+
+    hidden [..., D], weight [V, D] (same dtype), index [...] int64 with one token id per hidden row (no
+    ignore_index: mask the result afterwards), bias [V] or None. Returns ``logp`` fp32 with ``index``'s shape,
+    or ``(logp, entropy)`` with ``return_entropy=True``, entropy = -(softmax(z) * log_softmax(z)).sum(-1).
+    Backward accepts arbitrary per-token upstream grads for both (advantages, masks, importance ratios) and
+    recomputes the logits chunk by chunk (4 matmuls). ``chunk_bytes`` bounds the logits chunk (default 256 MiB).
+    """
+    _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap or 0.0)
+    logp, ent = torch.ops.fxfuse.linear_log_probs.default(
+        hidden, weight, index, bias, float(temperature), float(softcap or 0.0), bool(return_entropy),
+        int(chunk_bytes or 0))
+    logp = logp.view(index.shape)
+    if return_entropy:
+        return logp, ent.view(index.shape)
+    return logp
