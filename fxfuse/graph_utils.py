@@ -55,6 +55,11 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "mean": ("input", "dim", "keepdim", "dtype"),
     "dropout": ("input", "p", "training", "inplace"),
     "expand": ("input", "size"),
+    "masked_fill": ("input", "mask", "value"),
+    "where": ("condition", "input", "other"),
+    "logical_not": ("input",),
+    "invert": ("input",),
+    "repeat_interleave": ("input", "repeats", "dim", "output_size"),
 }
 
 _FUNCTIONS: Dict[Any, str] = {
@@ -78,6 +83,8 @@ _FUNCTIONS: Dict[Any, str] = {
     torch.logsumexp: "logsumexp", torch.gather: "gather",
     torch.sum: "sum", torch.mean: "mean",
     F.dropout: "dropout", torch.dropout: "dropout",
+    torch.masked_fill: "masked_fill", torch.where: "where", torch.logical_not: "logical_not",
+    operator.invert: "invert", torch.bitwise_not: "invert", torch.repeat_interleave: "repeat_interleave",
 }
 
 _METHODS: Dict[str, str] = {
@@ -88,6 +95,8 @@ _METHODS: Dict[str, str] = {
     "t": "t", "transpose": "transpose", "permute": "permute", "squeeze": "squeeze", "unsqueeze": "unsqueeze",
     "log_softmax": "log_softmax", "softmax": "softmax", "logsumexp": "logsumexp", "gather": "gather",
     "sum": "sum", "mean": "mean", "expand": "expand",
+    "masked_fill": "masked_fill", "logical_not": "logical_not", "bitwise_not": "invert",
+    "repeat_interleave": "repeat_interleave",
 }
 
 # ops that move or relabel elements but never change a value

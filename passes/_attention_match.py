@@ -1,0 +1,488 @@
+"""Matcher for eager attention (``softmax(f(q @ k^T)) @ v``) used by the ``softcap_attention`` pass.
+
+Starting at a ``softmax`` over the last dim, it walks
+
+* up the score chain to the ``q @ k^T`` matmul, accepting: ``* c`` / ``/ c`` by compile-time numbers (Python
+  constants, or graph values whose example value is a specialised number), at most one ``tanh`` (softcap
+  ``c * tanh(x / c)``), float casts, and at most one mask, nearest the softmax: ``+ mask`` (additive float) or
+  ``masked_fill(m, -inf)`` / ``where(keep, x, -inf)`` (bool);
+* down from the softmax through float casts and ``dropout`` to the ``probs @ v`` matmul;
+* through ``repeat_kv`` (``x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)``) and
+  ``repeat_interleave(x, n, dim=1)`` to the un-repeated k / v.
+
+It returns an :class:`AttentionSite` or a reason. A softmax whose input does not come from a 4-D matmul is not
+attention: :func:`match_attention` returns ``(None, None)`` for it and the pass says nothing.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+from fxfuse.graph_utils import arg, const_number, node_val, op_kind
+
+__all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE"]
+
+HARD_MASK_VALUE = -65504.0  # the op counts additive mask values <= this as masked
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_SCORE_KINDS = ("mul", "div", "tanh", "cast", "add", "masked_fill", "where")
+
+
+@dataclass
+class AttentionSite:
+    softmax: fx.Node
+    qk: fx.Node                          # q @ k^T
+    pv: fx.Node                          # probs @ v
+    q: fx.Node                           # [B, Hq, S, D]
+    k: Optional[fx.Node]                 # [B, Hkv, Skv, D] (None: use k_t, which is [B, Hkv, D, Skv])
+    k_t: Optional[fx.Node]
+    v: fx.Node                           # [B, Hkv, Skv, D]
+    scaling: float
+    softcap: float
+    mask: Optional[fx.Node] = None       # additive float mask or bool mask (True = keep)
+    mask_negate: bool = False            # the pass must insert logical_not(mask)
+    mask_kind: str = "none"              # "additive" / "bool" / "none"
+    dropout: Optional[Tuple[Any, Any]] = None  # (p, training) as read, for the report
+    n_rep: int = 1
+    nodes: List[fx.Node] = field(default_factory=list)  # nodes the rewrite may leave dead, graph order
+
+
+def known_number(a: Any) -> Optional[float]:
+    """``a`` as a Python number if it is known at compile time: a constant, or a graph value (e.g. ``.item()`` of
+    a buffer) whose example value is a plain or specialised (constant-expression) number. None otherwise."""
+    c = const_number(a)
+    if c is not None or not isinstance(a, fx.Node):
+        return c
+    for v in (a.meta.get("example_value", None), a.meta.get("val", None)):
+        c = const_number(v)
+        if c is not None:
+            return c
+        if isinstance(v, (torch.SymFloat, torch.SymInt)):
+            try:
+                expr = v.node.expr
+                if getattr(expr, "is_number", False):
+                    return float(expr)
+            except Exception:
+                pass
+    return None
+
+
+def _known_bool(a: Any) -> Optional[bool]:
+    if isinstance(a, bool):
+        return a
+    if isinstance(a, fx.Node):
+        for v in (a.meta.get("example_value", None), a.meta.get("val", None)):
+            if isinstance(v, bool):
+                return v
+            if isinstance(v, torch.SymBool):
+                try:
+                    expr = v.node.expr
+                    if expr in (True, False) or getattr(expr, "is_Boolean", False):
+                        return bool(expr)
+                except Exception:
+                    pass
+    return None
+
+
+def _tensor(n: Any) -> Optional[torch.Tensor]:
+    v = node_val(n)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _known(pred) -> bool:
+    if isinstance(pred, bool):
+        return pred
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(pred))
+    except Exception:
+        return False
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(_known(x == y) for x, y in zip(a, b))
+
+
+def _is_full(s: Any) -> bool:
+    return isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
+
+
+def _is_matmul4(n: Any) -> bool:
+    v = _tensor(n)
+    return op_kind(n) == "matmul" and v is not None and v.dim() == 4
+
+
+def _scores_operand(n: fx.Node, a: Any, b: Any) -> Tuple[Optional[fx.Node], Any]:
+    """Of a binary node's operands, (the one the score chain continues through, the other one)."""
+    hits = [x for x in (a, b) if isinstance(x, fx.Node) and _reaches_qk(x)]
+    if len(hits) != 1:
+        return None, None
+    return (a, b) if hits[0] is a else (b, a)
+
+
+def _reaches_qk(n: fx.Node, depth: int = 12) -> bool:
+    """Does a straight score chain lead from ``n`` up to a 4-D matmul?"""
+    while depth > 0 and isinstance(n, fx.Node):
+        if _is_matmul4(n):
+            return True
+        k = op_kind(n)
+        if k not in _SCORE_KINDS:
+            return False
+        if k in ("mul", "div", "add"):
+            a, b = arg(n, "input"), arg(n, "other")
+            cands = [x for x in (a, b) if isinstance(x, fx.Node) and _tensor(x) is not None
+                     and _tensor(x).dim() == 4]
+            if not cands:
+                return False
+            if len(cands) == 2:  # either may be the chain
+                return any(_reaches_qk(x, depth - 1) for x in cands)
+            n = cands[0]
+        elif k == "where":
+            a, b = arg(n, "input"), arg(n, "other")
+            n = a if isinstance(a, fx.Node) and _tensor(a) is not None and _tensor(a).dtype != torch.bool else b
+        else:
+            n = arg(n, "input")
+        depth -= 1
+    return False
+
+
+def _near_qk(n: Any, depth: int = 8) -> bool:
+    """Loosely: is there a 4-D matmul a few tensor inputs above ``n``? (decides whether to report a refusal)"""
+    frontier = [n] if isinstance(n, fx.Node) else []
+    for _ in range(depth):
+        nxt = []
+        for x in frontier:
+            if _is_matmul4(x):
+                return True
+            nxt += [a for a in x.all_input_nodes if _tensor(a) is not None and _tensor(a).dim() >= 2]
+        frontier = nxt
+    return False
+
+
+# ------------------------------------------------------------------------------------------------ repeat_kv
+def _unrepeat(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
+    """See through ``repeat_kv`` / ``repeat_interleave(n, dim=1)``: (un-repeated x, n_rep, nodes of the repeat)."""
+    xv = _tensor(x)
+    if xv is None or xv.dim() != 4:
+        return x, 1, []
+    k = op_kind(x)
+    if k == "repeat_interleave":
+        src, reps, dim = arg(x, "input"), arg(x, "repeats"), arg(x, "dim")
+        sv = _tensor(src)
+        if (isinstance(reps, int) and not isinstance(reps, bool) and reps >= 1 and dim in (1, -3)
+                and sv is not None and sv.dim() == 4 and _known(sv.shape[1] * reps == xv.shape[1])
+                and _same_shape((sv.shape[0], *sv.shape[2:]), (xv.shape[0], *xv.shape[2:]))):
+            return src, reps, [x]
+        return x, 1, []
+    if k not in ("reshape", "view"):
+        return x, 1, []
+    e = arg(x, "input")
+    if op_kind(e) != "expand":
+        return x, 1, []
+    u = arg(e, "input")
+    src = None
+    if op_kind(u) == "getitem":
+        idx = arg(u, "index")
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if len(idx) >= 3 and _is_full(idx[0]) and _is_full(idx[1]) and idx[2] is None \
+                and all(_is_full(i) for i in idx[3:]):
+            src = arg(u, "input")
+    elif op_kind(u) == "unsqueeze" and arg(u, "dim") == 2:
+        src = arg(u, "input")
+    sv, ev = _tensor(src), _tensor(e)
+    if sv is None or ev is None or sv.dim() != 4 or ev.dim() != 5:
+        return x, 1, []
+    B, Hkv, S, D = sv.shape
+    if not (_same_shape((ev.shape[0], ev.shape[1], ev.shape[3], ev.shape[4]), (B, Hkv, S, D))
+            and _same_shape(tuple(xv.shape), (B, Hkv * ev.shape[2], S, D))):
+        return x, 1, []
+    n = ev.shape[2]
+    try:
+        n = int(n)
+    except Exception:
+        return x, 1, []
+    return src, n, [u, e, x]
+
+
+# ------------------------------------------------------------------------------------------------ the mask
+def _check_mask_slice(mask: fx.Node, skv) -> str:
+    """A mask that is a slice must be exactly ``mask[..., :Skv]`` (full leading dims). "" if fine."""
+    if op_kind(mask) != "getitem":
+        return ""
+    base = arg(mask, "input")
+    bv, mv = _tensor(base), _tensor(mask)
+    if bv is None or mv is None:
+        return "mask slice without example values"
+    idx = arg(mask, "index")
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if Ellipsis in idx:
+        pos = idx.index(Ellipsis)
+        if idx.count(Ellipsis) != 1 or not all(_is_full(i) for i in idx[:pos]):
+            return "mask index is not a prefix slice of the key dim"
+        tail = idx[pos + 1:]
+        idx = (slice(None),) * (bv.dim() - len(tail)) + tuple(tail)
+    if len(idx) != bv.dim() or mv.dim() != bv.dim():
+        return "mask index is not a prefix slice of the key dim (it adds, drops or indexes dims)"
+    if not all(_is_full(i) for i in idx[:-1]):
+        return "mask is sliced along a dim other than the key dim"
+    last = idx[-1]
+    if not isinstance(last, slice) or last.start not in (None, 0) or last.step not in (None, 1):
+        return "mask slice is not a prefix slice [..., :Skv] of the key dim"
+    stop = last.stop
+    if isinstance(stop, fx.Node):
+        stop = node_val(stop)
+    if stop is None:
+        ok = _known(bv.shape[-1] == skv)
+    elif isinstance(stop, (int, torch.SymInt)) and not isinstance(stop, bool):
+        ok = _known(stop == skv) or (_known(stop >= bv.shape[-1]) and _known(bv.shape[-1] == skv))
+    else:
+        ok = False
+    if not ok:
+        return "mask slice is not a prefix slice [..., :Skv] of the key dim (its end is not the key length)"
+    return ""
+
+
+def _hard_fill(value: Any) -> bool:
+    c = known_number(value)
+    return c is not None and (c == -math.inf or c <= HARD_MASK_VALUE)
+
+
+# -------------------------------------------------------------------------------------------------- match
+def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]]:
+    """(site, None) when ``sm`` is a fusable attention softmax; (None, reason) for attention that is not fused;
+    (None, None) when ``sm`` is not attention at all."""
+    smv = _tensor(sm)
+    x = arg(sm, "input")
+    if smv is None or smv.dim() != 4 or not isinstance(x, fx.Node):
+        return None, None
+    dim = arg(sm, "dim")
+    if dim not in (-1, 3):
+        return None, ("softmax not over the key (last) dim" if _near_qk(x) else None)
+
+    # ---- up: softmax input .. q @ k^T
+    chain: List[fx.Node] = []
+    mask, mask_negate, mask_kind = None, False, "none"
+    after, before, tanh = 1.0, 1.0, False  # multipliers nearer the softmax than the tanh / nearer the matmul
+    seen_scale = False
+    n = x
+    while not _is_matmul4(n):
+        if not isinstance(n, fx.Node):
+            return None, None
+        k = op_kind(n)
+        if k not in _SCORE_KINDS:
+            if _near_qk(n):
+                tgt = getattr(n.target, "__name__", str(n.target))
+                return None, f"{k or tgt} between q @ k^T and softmax is not supported"
+            return None, None
+        if k in ("add", "masked_fill", "where"):
+            if k == "add":
+                src, m = _scores_operand(n, arg(n, "input"), arg(n, "other"))
+                if src is None:
+                    return (None, "score add whose operands cannot be told apart") if _near_qk(n) else (None, None)
+                if arg(n, "alpha", 1) not in (1, 1.0):
+                    return None, "mask added with alpha"
+            elif k == "masked_fill":
+                src, m = arg(n, "input"), arg(n, "mask")
+                if not isinstance(src, fx.Node) or not _reaches_qk(src):
+                    return (None, "masked_fill of something other than the scores") if _near_qk(n) else (None, None)
+            else:
+                cond, a, b = arg(n, "condition"), arg(n, "input"), arg(n, "other")
+                if isinstance(a, fx.Node) and _reaches_qk(a):
+                    src, m, fill, negate = a, cond, b, False
+                elif isinstance(b, fx.Node) and _reaches_qk(b):
+                    src, m, fill, negate = b, cond, a, True
+                else:
+                    return (None, "where() of something other than the scores") if _near_qk(n) else (None, None)
+            if not _reaches_qk(src):
+                return (None, None) if not _near_qk(n) else (None, "mask applied to something not from q @ k^T")
+            if mask is not None:
+                return None, "more than one mask applied to the scores"
+            if seen_scale:
+                return None, "mask applied before the scaling / softcap (it would be scaled)"
+            if not isinstance(m, fx.Node) or _tensor(m) is None:
+                return None, "mask is not a tensor"
+            mv = _tensor(m)
+            if k == "add":
+                if not mv.dtype.is_floating_point:
+                    return None, f"additive mask of dtype {mv.dtype} (only float masks are additive)"
+                mask, mask_kind = m, "additive"
+            else:
+                if mv.dtype != torch.bool:
+                    return None, f"{k} with a {mv.dtype} condition"
+                fill = arg(n, "value") if k == "masked_fill" else fill
+                if not _hard_fill(fill):
+                    return None, f"{k} value {known_number(fill)!r} is not a hard mask (-inf or <= -65504)"
+                # masked_fill(m, -inf): m = True means masked; the op wants True = keep
+                negate = True if k == "masked_fill" else negate
+                if negate and op_kind(m) in ("logical_not", "invert") and \
+                        _tensor(arg(m, "input")) is not None and _tensor(arg(m, "input")).dtype == torch.bool:
+                    chain_m = m
+                    m, negate = arg(m, "input"), False
+                    if len(chain_m.users) == 1:
+                        chain.append(chain_m)
+                mask, mask_negate, mask_kind = m, negate, "bool"
+            chain.append(n)
+            n = src
+            continue
+        if k == "cast":
+            v = _tensor(n)
+            if v is None or v.dtype not in _FLOATS:
+                return None, f"cast of the scores to {getattr(v, 'dtype', None)}"
+            chain.append(n)
+            n = arg(n, "input")
+            continue
+        if k == "tanh":
+            if tanh:
+                return None, "two tanh in the score chain"
+            tanh, seen_scale = True, True
+            chain.append(n)
+            n = arg(n, "input")
+            continue
+        # mul / div
+        a, b = arg(n, "input"), arg(n, "other")
+        if isinstance(a, fx.Node) and _tensor(a) is not None and _reaches_qk(a):
+            src, c = a, b
+        elif k == "mul" and isinstance(b, fx.Node) and _tensor(b) is not None and _reaches_qk(b):
+            src, c = b, a
+        else:
+            return (None, f"{k} of something other than the scores") if _near_qk(n) else (None, None)
+        if isinstance(c, fx.Node) and _tensor(c) is not None:
+            return None, f"scores {'multiplied' if k == 'mul' else 'divided'} by a tensor (scaling must be a number)"
+        cv = known_number(c)
+        if cv is None:
+            return None, ("scaling is a graph value whose value is not known at compile time "
+                          "(unspecialised SymFloat); not fused")
+        if k == "div":
+            if cv == 0.0:
+                return None, "division of the scores by 0"
+            cv = 1.0 / cv
+        if tanh:
+            before *= cv
+        else:
+            after *= cv
+        seen_scale = True
+        chain.append(n)
+        n = src
+    qk = n
+    if tanh:
+        softcap, scaling = after, before * after
+        if not (softcap > 0 and math.isfinite(softcap)):
+            return None, f"softcap {softcap} is not a positive finite number"
+    else:
+        softcap, scaling = 0.0, after
+    if not math.isfinite(scaling) or scaling == 0.0:
+        return None, f"scaling {scaling} is not a finite non-zero number"
+    for c in chain + [qk]:
+        if len(c.users) != 1:
+            return None, f"attention scores ({c.name}) have other users besides the softmax"
+
+    # ---- down: softmax .. probs @ v
+    dropout = None
+    post: List[fx.Node] = []
+    cur = sm
+    while True:
+        if len(cur.users) != 1:
+            return None, (f"attention probabilities ({cur.name}) have other users (e.g. output_attentions): "
+                          f"{', '.join(u.name for u in cur.users)}")
+        u = next(iter(cur.users))
+        k = op_kind(u)
+        if k == "cast" and arg(u, "input") is cur:
+            v = _tensor(u)
+            if v is None or v.dtype not in _FLOATS:
+                return None, f"cast of the probabilities to {getattr(v, 'dtype', None)}"
+        elif k == "dropout" and arg(u, "input") is cur:
+            p = arg(u, "p", 0.5)
+            training = u.kwargs["train"] if "train" in u.kwargs else arg(u, "training", True)
+            pv, tv = known_number(p), _known_bool(training)
+            dropout = (pv if pv is not None else p, tv if tv is not None else training)
+            if tv is not False and (pv is None or pv != 0.0):
+                return None, "attention dropout p>0 in training" + ("" if pv is not None else " (p unknown)")
+        elif k == "matmul" and arg(u, "input") is cur and arg(u, "other") is not cur:
+            pv_node = u
+            break
+        else:
+            return None, f"softmax result flows into {k or getattr(u.target, '__name__', u.target)}, not @ v"
+        post.append(u)
+        cur = u
+
+    # ---- q, k, v
+    q, kt, v_rep = arg(qk, "input"), arg(qk, "other"), arg(pv_node, "other")
+    if not all(isinstance(t, fx.Node) for t in (q, kt, v_rep)):
+        return None, "q, k or v is not a tensor"
+    pre_q: List[fx.Node] = []
+    if op_kind(q) in ("mul", "div") and _tensor(q) is not None:  # q * scaling before the matmul
+        a, b = arg(q, "input"), arg(q, "other")
+        src, c = (a, b) if isinstance(a, fx.Node) else ((b, a) if op_kind(q) == "mul" else (None, None))
+        cv = known_number(c) if not isinstance(c, fx.Node) or _tensor(c) is None else None
+        if src is not None and cv is not None and cv != 0.0 and _tensor(src) is not None \
+                and _same_shape(tuple(_tensor(src).shape), tuple(_tensor(q).shape)):
+            scaling *= cv if op_kind(q) == "mul" else 1.0 / cv
+            pre_q.append(q)
+            q = src
+    k_rep, k_t = None, None
+    if op_kind(kt) == "transpose" and {arg(kt, "dim0"), arg(kt, "dim1")} in ({2, 3}, {-1, -2}, {2, -1}, {-2, 3}):
+        k_rep = arg(kt, "input")
+    elif kt.op == "call_function" and getattr(kt.target, "__name__", "") == "getattr" and len(kt.args) == 2 \
+            and kt.args[1] == "mT":
+        k_rep = kt.args[0]
+    else:
+        k_t = kt
+    qv, vv = _tensor(q), _tensor(v_rep)
+    if qv is None or vv is None or qv.dim() != 4 or vv.dim() != 4:
+        return None, "q or v is not 4-D [B, H, S, D]"
+    if k_rep is not None:
+        k0, nk, krep_nodes = _unrepeat(k_rep)
+        v0, nv, vrep_nodes = _unrepeat(v_rep)
+        if nk != nv or not _known(_tensor(k0).shape[1] == _tensor(v0).shape[1]):
+            k0, nk, krep_nodes, v0, nv, vrep_nodes = k_rep, 1, [], v_rep, 1, []
+    else:
+        k0, nk, krep_nodes, v0, nv, vrep_nodes = None, 1, [], v_rep, 1, []
+    kv = _tensor(k0) if k0 is not None else _tensor(k_t)
+    v0v = _tensor(v0)
+    if kv is None or kv.dim() != 4:
+        return None, "k is not 4-D [B, H, S, D]"
+    B, Hq, S, D = qv.shape
+    if k0 is not None:
+        Hkv, Skv, Dk = kv.shape[1], kv.shape[2], kv.shape[3]
+    else:
+        Hkv, Skv, Dk = kv.shape[1], kv.shape[3], kv.shape[2]
+    if not (_known(kv.shape[0] == B) and _known(v0v.shape[0] == B)):
+        return None, "k / v batch is broadcast against q's (not supported by the op)"
+    if not (_known(Dk == D) and _known(v0v.shape[3] == D) and _known(v0v.shape[2] == Skv)
+            and _known(v0v.shape[1] == Hkv)):
+        return None, "q / k / v head dims or lengths do not line up (v head_dim must equal q's)"
+    if not _known(Hq % Hkv == 0):
+        return None, f"q heads ({Hq}) are not a known multiple of kv heads ({Hkv})"
+    if not _same_shape(tuple(_tensor(qk).shape), (B, Hq, S, Skv)):
+        return None, "q @ k^T broadcasts (score shape is not [B, Hq, S, Skv])"
+    if not _same_shape(tuple(smv.shape), (B, Hq, S, Skv)):
+        return None, "the mask broadcasts the scores to a larger shape"
+    if _known(D > 256):
+        return None, f"head_dim {D} > 256"
+    dts = {qv.dtype, kv.dtype, v0v.dtype}
+    if len(dts) != 1 or qv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None, f"q / k / v dtypes {sorted(map(str, dts))} (need one of bf16 / fp16 / fp32)"
+    out = _tensor(pv_node)
+    if out is None or out.dtype != qv.dtype or not _same_shape(tuple(out.shape), (B, Hq, S, D)):
+        return None, "probs @ v output is not [B, Hq, S, D] in q's dtype"
+    if len({t.device for t in (qv, kv, v0v)}) != 1:
+        return None, "q / k / v on different devices"
+    if mask is not None:
+        mv = _tensor(mask)
+        if mv.dim() not in (2, 3, 4):
+            return None, f"{mv.dim()}-D mask (need 2-D .. 4-D)"
+        if mv.device != qv.device:
+            return None, "mask on another device"
+        if mv.requires_grad:
+            return None, "mask requires grad (the op gives the mask no gradient)"
+        why = _check_mask_slice(mask, Skv)
+        if why:
+            return None, why
+    nodes = pre_q + krep_nodes + vrep_nodes + ([kt] if k_rep is not None else []) + [qk] + chain[::-1] + [sm] + post
+    site = AttentionSite(sm, qk, pv_node, q, k0, k_t, v0, float(scaling), float(softcap), mask, mask_negate,
+                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes)
+    return site, None

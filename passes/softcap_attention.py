@@ -1,0 +1,132 @@
+"""Fuse eager attention (with or without a tanh logit softcap) into ``fxfuse::softcap_attention``.
+
+Pattern (Gemma-2 / Gemma-3 eager attention, and any model written the same way; see ``_attention_match``)::
+
+    k_rep, v_rep = repeat_kv(k), repeat_kv(v)     # x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv*n, S, D),
+                                                  # repeat_interleave(x, n, dim=1), or no repeat / plain broadcast
+    s = matmul(q, k_rep.transpose(2, 3)) * scaling          # or q * scaling first; scaling a number
+    s = cap * tanh(s / cap)                                  # optional softcap
+    s = s + mask                                             # optional: additive float mask (a mask[..., :Skv]
+                                                             #   prefix slice is fine), masked_fill(~keep, -inf),
+                                                             #   where(keep, s, -inf)
+    p = softmax(s, dim=-1[, dtype=float32])[.to(q.dtype)]
+    p = dropout(p, p_drop, training)                         # only if p_drop == 0 or not training
+    out = matmul(p, v_rep)
+
+becomes ``out = fxfuse::softcap_attention(q, k, v, mask, scaling, softcap, False, 0)[0]`` with k / v the kv heads
+before the repeat. The [B, Hq, S, Skv] scores, their softcapped / masked / fp32 / cast copies and the probabilities
+are never materialised (nor saved for the backward), nor are the repeated k / v.
+
+The mask tensor is passed as is (causal=False, window=0): it already encodes any mix of causal, sliding window and
+padding that ``masking_utils`` built, so the result is right whatever the mask is; recognising the causal / window
+structure from the graph (the op's block-skipping fast path) is left for later.
+
+One semantic difference, documented by the op: a query row whose every key is masked (HF's fully padded query
+rows with finfo.min masks) yields zeros in the fused op instead of eager's uniform average over the masked keys.
+Such rows are padding: their outputs only reach positions a correct loss ignores (labels -100).
+
+Not fused (reason in the fusion report): dropout that may be > 0 in training, scores or probabilities with other
+users (``output_attentions``), a scaling that is a graph value with no specialised example value, a mask that is a
+slice other than ``[..., :Skv]``, a mask that requires grad, masked_fill with a soft value, softmax not over the
+last dim, mismatched dtypes / devices, broadcast batches, head_dim > 256, and ops in the score chain not listed.
+"""
+from __future__ import annotations
+
+import operator
+from typing import List
+
+import torch
+import torch.fx as fx
+
+import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
+from fxfuse.graph_utils import node_val, numel_hint, op_kind
+from fxfuse.registry import register_pass
+
+from ._attention_match import AttentionSite, match_attention
+
+NAME = "softcap_attention"
+_VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
+
+
+def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if src.meta.get(key) is not None:
+            dst.meta[key] = src.meta[key]
+
+
+def _erase_dead(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
+    """Erase the nodes of ``nodes`` that have (transitively) no users left; return the erased ones."""
+    erased, changed = [], True
+    pending = list(nodes)
+    while changed:
+        changed = False
+        for n in list(reversed(pending)):
+            if n.graph is graph and not n.users and n.op in ("call_function", "call_method"):
+                graph.erase_node(n)
+                pending.remove(n)
+                erased.append(n)
+                changed = True
+    return erased
+
+
+def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
+    g = gm.graph
+    with g.inserting_before(site.pv):
+        k = site.k
+        if k is None:  # scores were q @ k_t with a [B, H, D, Skv] k_t
+            k = g.call_method("transpose", (site.k_t, -2, -1))
+            _copy_meta(k, site.qk)
+        mask = site.mask
+        if mask is not None and site.mask_negate:
+            mask = g.call_function(torch.logical_not, (mask,))
+            _copy_meta(mask, site.qk)
+        node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
+                               (site.q, k, site.v, mask, site.scaling, site.softcap, False, 0))
+        out = g.call_function(operator.getitem, (node, 0))
+    _copy_meta(node, site.qk)
+    _copy_meta(out, site.qk)
+    site.pv.replace_all_uses_with(out)
+    g.erase_node(site.pv)
+    return node
+
+
+@register_pass(name=NAME, order=50,
+               description="eager attention (q @ k^T, scale, tanh softcap, mask, softmax, dropout 0, @ v; GQA by "
+                           "repeat_kv) -> fxfuse::softcap_attention")
+def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
+    count = 0
+    for mod in ctx.graph_modules(gm):
+        g = mod.graph
+        sites = [n for n in g.nodes if n.op in ("call_function", "call_method") and op_kind(n) == "softmax"]
+        changed = 0
+        for sm in sites:
+            if sm.graph is not g or sm not in g.nodes:  # erased by an earlier site (cannot happen; be safe)
+                continue
+            site, why = match_attention(sm)
+            if site is None:
+                if why:
+                    ctx.skipped(sm, "attention", why)
+                continue
+            score_numel = numel_hint(node_val(site.qk))
+            node = _rewrite(mod, site, ctx)
+            erased = _erase_dead(g, site.nodes)
+            # What is no longer materialised: every erased [B, Hq, S, Skv]-sized tensor (scores, their softcapped /
+            # masked / fp32 / cast copies, the probabilities) and the repeated k / v, each once in the forward and
+            # once as a saved activation or gradient in the backward.
+            saved = 0
+            for n in erased:
+                v = node_val(n)
+                if isinstance(v, torch.Tensor) and (op_kind(n) not in _VIEWS or op_kind(n) == "reshape"):
+                    saved += 2 * numel_hint(v) * v.element_size()
+            detail = dict(scaling=site.scaling, softcap=site.softcap, mask=site.mask_kind,
+                          mask_node=site.mask.name if site.mask is not None else None, n_rep=site.n_rep,
+                          causal=False, window=0, dropout=site.dropout, scores_numel=score_numel,
+                          erased=[n.name for n in erased])
+            op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"
+                  f"scaling {site.scaling:.6g}, {site.mask_kind} mask, GQA {site.n_rep}:1)")
+            ctx.fused(node, op, saved_bytes=saved, **detail)
+            changed += 1
+        if changed:
+            mod.recompile()
+        count += changed
+    return count
