@@ -10,7 +10,6 @@ works without importing fxfuse first.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -252,7 +251,6 @@ def _effective_signature(gm: fx.GraphModule, subs: List[OutputSubstitution], fak
     sigs = output_signature(gm)
     if not subs:
         return sigs
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     extra = {i for s in subs for i in s.extra_output_index.values()}
     for s in subs:
         vals = [node_val(x) if x is not None else None for x in s.inputs]

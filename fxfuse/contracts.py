@@ -25,6 +25,15 @@ def shape_str(t) -> str:
     return str(t)
 
 
+def _known_true(expr) -> bool:
+    """True only when ``expr`` (a bool or a SymBool) holds for every value of its symbols; adds no guard."""
+    if isinstance(expr, bool):
+        return expr
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(expr))
+
+
 def _provably_ne(a, b) -> bool:
     """True only when a != b holds for every value of the symbols involved (no guard added)."""
     if isinstance(a, int) and isinstance(b, int):
@@ -96,6 +105,38 @@ class OpContract:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
             self.fail(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+
+    def lm_head_operands(self, hidden: str, weight: str, target: str, bias: Optional[str] = None,
+                         floats: Iterable[torch.dtype] = (torch.bfloat16, torch.float16, torch.float32)):
+        """The contract every fused lm-head op shares: hidden [..., D], weight [V, D], one integer ``target`` per
+        hidden row, optional bias [V]; and the classic mistake, logits passed where hidden states belong."""
+        h, w, t = self.tensors[hidden], self.tensors[weight], self.tensors[target]
+        self.ndim(weight, 2)
+        if h.dim() < 1:
+            self.fail(f"{hidden} must have a last (hidden-size) dimension, got a {h.dim()}-D tensor")
+        D, (V, Dw) = h.shape[-1], w.shape
+        if _known_true(D == V) and _known_true(V != Dw):
+            self.fail(
+                f"{hidden} {shape_str(h)} looks like logits, not hidden states: its last dimension ({D}) equals "
+                f"the vocabulary size {weight}.shape[0] ({V}) of {weight} {shape_str(w)}, not the hidden size "
+                f"{weight}.shape[1] ({Dw})",
+                hint="pass the hidden states that go into the lm_head projection (the op computes the logits itself)",
+            )
+        self.dim_eq(hidden, -1, weight, 1,
+                    hint=f"{weight} must be [vocab, hidden] (the nn.Linear / lm_head layout), {hidden} [..., hidden]")
+        self.dtype_in(hidden, floats)
+        self.same_dtype(hidden, weight, *([bias] if bias else []))
+        self.dtype_in(target, (torch.int64, torch.int32))
+        self.same_device(hidden, weight, target, *([bias] if bias else []))
+        n_tokens = 1
+        for s in h.shape[:-1]:  # a plain product: torch.Size.numel() on SymInts would specialize N
+            n_tokens = n_tokens * s
+        if _known_true(t.numel() != n_tokens):
+            self.fail(f"{target} {shape_str(t)} has {t.numel()} elements but {hidden} {shape_str(h)} has "
+                      f"{n_tokens} tokens", hint=f"{target} holds one entry per token (shift labels beforehand)")
+        if bias and self.tensors.get(bias) is not None:
+            self.ndim(bias, 1)
+            self.dim_eq(bias, 0, weight, 0)
 
     def same_device(self, *names: str):
         ts = [(n, self.tensors[n]) for n in names if self.tensors.get(n) is not None]

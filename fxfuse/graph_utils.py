@@ -9,7 +9,7 @@ pattern. Add spellings here, never in a pass.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx

@@ -11,7 +11,7 @@ Turn it off with ``pass_options={"linear_cross_entropy": {"logits": "materialize
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F

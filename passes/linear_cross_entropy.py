@@ -27,7 +27,7 @@ Pass options (``pass_options={"linear_cross_entropy": {...}}``): ``logits``: ``"
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.fx as fx

@@ -46,7 +46,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..contracts import OpContract, shape_str
+from ..contracts import OpContract
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
 
@@ -58,45 +58,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 # ================================================================================================ contract
-def _known_true(expr) -> bool:
-    """True only when ``expr`` (a bool or a SymBool) holds for every value of its symbols; adds no guard."""
-    if isinstance(expr, bool):
-        return expr
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return statically_known_true(expr)
-
-
 def _check_linear_cross_entropy(hidden, weight, target, bias=None, reduction="mean", softcap=0.0,
                                 label_smoothing=0.0):
     """The op's contract, one place for the public function, the fake impl and the real impls."""
     c = OpContract(_OP, hidden=hidden, weight=weight, target=target, bias=bias)
-    c.ndim("weight", 2)
-    if hidden.dim() < 1:
-        c.fail(f"hidden must have a last (hidden-size) dimension, got a {hidden.dim()}-D tensor")
-    D, (V, Dw) = hidden.shape[-1], weight.shape
-    if _known_true(D == V) and _known_true(V != Dw):
-        c.fail(
-            f"hidden {shape_str(hidden)} looks like logits, not hidden states: its last dimension ({D}) equals "
-            f"the vocabulary size weight.shape[0] ({V}) of weight {shape_str(weight)}, not the hidden size "
-            f"weight.shape[1] ({Dw})",
-            hint="pass the hidden states that go into the lm_head projection (the op computes the logits itself)",
-        )
-    c.dim_eq("hidden", -1, "weight", 1,
-             hint="weight must be [vocab, hidden] (the nn.Linear / lm_head layout), hidden [..., hidden]")
-    c.dtype_in("hidden", _FLOATS)
-    c.same_dtype("hidden", "weight", "bias")
-    c.dtype_in("target", (torch.int64, torch.int32))
-    c.same_device("hidden", "weight", "target", "bias")
-    n_tokens = 1
-    for s in hidden.shape[:-1]:  # a plain product: torch.Size.numel() on SymInts would specialize N
-        n_tokens = n_tokens * s
-    if _known_true(target.numel() != n_tokens):
-        c.fail(f"target {shape_str(target)} has {target.numel()} elements but hidden {shape_str(hidden)} has "
-               f"{n_tokens} tokens", hint="target holds one class index per token (shift labels beforehand)")
-    if bias is not None:
-        c.ndim("bias", 1)
-        c.dim_eq("bias", 0, "weight", 0)
+    c.lm_head_operands("hidden", "weight", "target", "bias", _FLOATS)
     if reduction not in _REDUCTIONS:
         c.fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if softcap is not None and softcap < 0:

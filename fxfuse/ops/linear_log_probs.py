@@ -42,9 +42,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..contracts import OpContract, shape_str
+from ..contracts import OpContract
 from ..kernels import linear_log_probs as K
-from .linear_cross_entropy import _known_true
 
 __all__ = ["linear_log_probs"]
 
@@ -54,37 +53,10 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 # ================================================================================================ contract
 def _check_linear_log_probs(hidden, weight, index, bias=None, temperature=1.0, softcap=0.0):
-    """The op's contract, one place for the public function, the fake impl and the real impl.
-
-    (The shape checks mirror ``fxfuse.ops.linear_cross_entropy._check_linear_cross_entropy``, which names its own
-    op in the message and checks LCE-only arguments, hence not reused as is.)"""
+    """The op's contract, one place for the public function, the fake impl and the real impl (the lm-head
+    operand checks are shared with the other lm-head ops through ``OpContract.lm_head_operands``)."""
     c = OpContract(_OP, hidden=hidden, weight=weight, index=index, bias=bias)
-    c.ndim("weight", 2)
-    if hidden.dim() < 1:
-        c.fail(f"hidden must have a last (hidden-size) dimension, got a {hidden.dim()}-D tensor")
-    D, (V, Dw) = hidden.shape[-1], weight.shape
-    if _known_true(D == V) and _known_true(V != Dw):
-        c.fail(
-            f"hidden {shape_str(hidden)} looks like logits, not hidden states: its last dimension ({D}) equals "
-            f"the vocabulary size weight.shape[0] ({V}) of weight {shape_str(weight)}, not the hidden size "
-            f"weight.shape[1] ({Dw})",
-            hint="pass the hidden states that go into the lm_head projection (the op computes the logits itself)",
-        )
-    c.dim_eq("hidden", -1, "weight", 1,
-             hint="weight must be [vocab, hidden] (the nn.Linear / lm_head layout), hidden [..., hidden]")
-    c.dtype_in("hidden", _FLOATS)
-    c.same_dtype("hidden", "weight", "bias")
-    c.dtype_in("index", (torch.int64, torch.int32))
-    c.same_device("hidden", "weight", "index", "bias")
-    n_tokens = 1
-    for s in hidden.shape[:-1]:  # a plain product: torch.Size.numel() on SymInts would specialize N
-        n_tokens = n_tokens * s
-    if _known_true(index.numel() != n_tokens):
-        c.fail(f"index {shape_str(index)} has {index.numel()} elements but hidden {shape_str(hidden)} has "
-               f"{n_tokens} tokens", hint="index holds one token id per hidden row (shift it beforehand)")
-    if bias is not None:
-        c.ndim("bias", 1)
-        c.dim_eq("bias", 0, "weight", 0)
+    c.lm_head_operands("hidden", "weight", "index", "bias", _FLOATS)
     if not (temperature > 0):
         c.fail(f"temperature must be > 0, got {temperature}")
     if softcap is not None and softcap < 0:
