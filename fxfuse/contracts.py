@@ -15,6 +15,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from .errors import FxFuseContractError, user_source_line
+from .graph_utils import known_true
 
 __all__ = ["OpContract", "shape_str"]
 
@@ -25,25 +26,9 @@ def shape_str(t) -> str:
     return str(t)
 
 
-def _known_true(expr) -> bool:
-    """True only when ``expr`` (a bool or a SymBool) holds for every value of its symbols; adds no guard."""
-    if isinstance(expr, bool):
-        return expr
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(expr))
-
-
 def _provably_ne(a, b) -> bool:
     """True only when a != b holds for every value of the symbols involved (no guard added)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a != b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return statically_known_true(a != b)
-    except Exception:
-        return False
+    return known_true(a != b)
 
 
 class OpContract:
@@ -115,7 +100,7 @@ class OpContract:
         if h.dim() < 1:
             self.fail(f"{hidden} must have a last (hidden-size) dimension, got a {h.dim()}-D tensor")
         D, (V, Dw) = h.shape[-1], w.shape
-        if _known_true(D == V) and _known_true(V != Dw):
+        if known_true(D == V) and known_true(V != Dw):
             self.fail(
                 f"{hidden} {shape_str(h)} looks like logits, not hidden states: its last dimension ({D}) equals "
                 f"the vocabulary size {weight}.shape[0] ({V}) of {weight} {shape_str(w)}, not the hidden size "
@@ -131,7 +116,7 @@ class OpContract:
         n_tokens = 1
         for s in h.shape[:-1]:  # a plain product: torch.Size.numel() on SymInts would specialize N
             n_tokens = n_tokens * s
-        if _known_true(t.numel() != n_tokens):
+        if known_true(t.numel() != n_tokens):
             self.fail(f"{target} {shape_str(t)} has {t.numel()} elements but {hidden} {shape_str(h)} has "
                       f"{n_tokens} tokens", hint=f"{target} holds one entry per token (shift labels beforehand)")
         if bias and self.tensors.get(bias) is not None:

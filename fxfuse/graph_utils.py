@@ -19,7 +19,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "node_val", "op_kind", "arg", "graph_modules", "is_kind", "users_of", "size_hint", "numel_hint",
-    "SHAPE_ONLY_KINDS", "const_number",
+    "SHAPE_ONLY_KINDS", "const_number", "known_true",
 ]
 
 # canonical kind -> parameter names, in positional order (``input`` is ``self`` for method calls)
@@ -158,6 +158,22 @@ def _cast_dtype(n: fx.Node, default: Any) -> Any:
             return a
     v = node_val(n)
     return v.dtype if isinstance(v, torch.Tensor) else default
+
+
+def known_true(pred: Any) -> bool:
+    """True only when ``pred`` (a bool or a SymBool) holds for every value of its symbols.
+
+    Adds no guard: a dynamic size that *might* satisfy ``pred`` is not specialised into a recompile guard.
+    Matchers and contract checks use this so that only provable facts change what they do.
+    """
+    if isinstance(pred, bool):
+        return pred
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(pred))
+    except Exception:
+        return False
 
 
 def const_number(a: Any) -> Optional[float]:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .graph_utils import graph_modules, node_val
+from .graph_utils import graph_modules, known_true, node_val
 
 __all__ = ["GraphSnapshot", "OutputSig", "fake_propagate", "output_signature", "compare_signatures"]
 
@@ -120,12 +120,7 @@ def output_signature(gm: fx.GraphModule) -> List[OutputSig]:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(a == b))
-    except Exception:
-        return str(a) == str(b)
+    return known_true(a == b) or str(a) == str(b)
 
 
 def compare_signatures(before: List[OutputSig], after: List[OutputSig]) -> Optional[Tuple[int, str]]:

@@ -22,7 +22,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from fxfuse.graph_utils import arg, const_number, node_val, op_kind
+from fxfuse.graph_utils import arg, const_number, known_true, node_val, op_kind
 
 __all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE"]
 
@@ -92,19 +92,8 @@ def _tensor(n: Any) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _known(pred) -> bool:
-    if isinstance(pred, bool):
-        return pred
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    try:
-        return bool(statically_known_true(pred))
-    except Exception:
-        return False
-
-
 def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(_known(x == y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(known_true(x == y) for x, y in zip(a, b))
 
 
 def _is_full(s: Any) -> bool:
@@ -174,7 +163,7 @@ def _unrepeat(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
         src, reps, dim = arg(x, "input"), arg(x, "repeats"), arg(x, "dim")
         sv = _tensor(src)
         if (isinstance(reps, int) and not isinstance(reps, bool) and reps >= 1 and dim in (1, -3)
-                and sv is not None and sv.dim() == 4 and _known(sv.shape[1] * reps == xv.shape[1])
+                and sv is not None and sv.dim() == 4 and known_true(sv.shape[1] * reps == xv.shape[1])
                 and _same_shape((sv.shape[0], *sv.shape[2:]), (xv.shape[0], *xv.shape[2:]))):
             return src, reps, [x]
         return x, 1, []
@@ -236,9 +225,9 @@ def _check_mask_slice(mask: fx.Node, skv) -> str:
     if isinstance(stop, fx.Node):
         stop = node_val(stop)
     if stop is None:
-        ok = _known(bv.shape[-1] == skv)
+        ok = known_true(bv.shape[-1] == skv)
     elif isinstance(stop, (int, torch.SymInt)) and not isinstance(stop, bool):
-        ok = _known(stop == skv) or (_known(stop >= bv.shape[-1]) and _known(bv.shape[-1] == skv))
+        ok = known_true(stop == skv) or (known_true(stop >= bv.shape[-1]) and known_true(bv.shape[-1] == skv))
     else:
         ok = False
     if not ok:
@@ -437,7 +426,7 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
     if k_rep is not None:
         k0, nk, krep_nodes = _unrepeat(k_rep)
         v0, nv, vrep_nodes = _unrepeat(v_rep)
-        if nk != nv or not _known(_tensor(k0).shape[1] == _tensor(v0).shape[1]):
+        if nk != nv or not known_true(_tensor(k0).shape[1] == _tensor(v0).shape[1]):
             k0, nk, krep_nodes, v0, nv, vrep_nodes = k_rep, 1, [], v_rep, 1, []
     else:
         k0, nk, krep_nodes, v0, nv, vrep_nodes = None, 1, [], v_rep, 1, []
@@ -450,18 +439,18 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
         Hkv, Skv, Dk = kv.shape[1], kv.shape[2], kv.shape[3]
     else:
         Hkv, Skv, Dk = kv.shape[1], kv.shape[3], kv.shape[2]
-    if not (_known(kv.shape[0] == B) and _known(v0v.shape[0] == B)):
+    if not (known_true(kv.shape[0] == B) and known_true(v0v.shape[0] == B)):
         return None, "k / v batch is broadcast against q's (not supported by the op)"
-    if not (_known(Dk == D) and _known(v0v.shape[3] == D) and _known(v0v.shape[2] == Skv)
-            and _known(v0v.shape[1] == Hkv)):
+    if not (known_true(Dk == D) and known_true(v0v.shape[3] == D) and known_true(v0v.shape[2] == Skv)
+            and known_true(v0v.shape[1] == Hkv)):
         return None, "q / k / v head dims or lengths do not line up (v head_dim must equal q's)"
-    if not _known(Hq % Hkv == 0):
+    if not known_true(Hq % Hkv == 0):
         return None, f"q heads ({Hq}) are not a known multiple of kv heads ({Hkv})"
     if not _same_shape(tuple(_tensor(qk).shape), (B, Hq, S, Skv)):
         return None, "q @ k^T broadcasts (score shape is not [B, Hq, S, Skv])"
     if not _same_shape(tuple(smv.shape), (B, Hq, S, Skv)):
         return None, "the mask broadcasts the scores to a larger shape"
-    if _known(D > 256):
+    if known_true(D > 256):
         return None, f"head_dim {D} > 256"
     dts = {qv.dtype, kv.dtype, v0v.dtype}
     if len(dts) != 1 or qv.dtype not in (torch.bfloat16, torch.float16, torch.float32):

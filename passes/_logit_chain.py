@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, node_val, op_kind
+from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, known_true, node_val, op_kind
 
 __all__ = ["LogitChain", "match_logit_chain"]
 
@@ -84,9 +84,7 @@ def _keeps_last_dim(n: fx.Node) -> bool:
     src, out = node_val(_tensor_input(n)), node_val(n)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() == 0:
         return False
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return bool(statically_known_true(src.shape[-1] == out.shape[-1]))
+    return known_true(src.shape[-1] == out.shape[-1])
 
 
 def _index_leaves_last_dim(index: Any, ndim: int) -> bool:

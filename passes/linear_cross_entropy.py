@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
-from fxfuse.graph_utils import arg, node_val, numel_hint, op_kind
+from fxfuse.graph_utils import arg, known_true, node_val, numel_hint, op_kind
 from fxfuse.lazy import LazyLogits, apply_recipe
 from fxfuse.registry import register_pass
 
@@ -82,8 +82,7 @@ def _loss_input(node: fx.Node, kind: str):
 
 
 def _check_shapes(chain: LogitChain, z: fx.Node, target: fx.Node) -> str:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
+    known = known_true
     zv, tv = node_val(z), node_val(target)
     hv, wv = node_val(chain.hidden), node_val(chain.weight)
     if not all(isinstance(t, torch.Tensor) for t in (zv, tv, hv, wv)):

@@ -186,16 +186,28 @@ if HAVE_TRITON:
                 tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+def row_launch_config(buf, defaults: dict, overrides: dict, fast_tanh_dtypes=None):
+    """Launch settings of a one-program-per-row kernel over a [C, V] logits chunk (shared by the lm-head ops):
+    (cfg, BLOCK_V, num_warps, fast_tanh). ``overrides`` (a module's ROW_CONFIG) win over ``defaults``. The
+    approximate hardware tanh is used only on CUDA, never under the interpreter, and only for
+    ``fast_tanh_dtypes`` when given."""
+    V = buf.shape[1]
+    cfg = {**defaults, **overrides}
+    BLOCK_V = min(cfg.get("BLOCK_V") or 4096, triton.next_power_of_2(V))
+    num_warps = cfg.get("num_warps") or (16 if BLOCK_V >= 4096 else (8 if BLOCK_V >= 1024 else 4))
+    num_warps = min(num_warps, max(1, BLOCK_V // 32))  # no more warps than a block has 32-wide slices
+    fast_tanh = (bool(cfg.get("FAST_TANH")) and buf.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+                 and (fast_tanh_dtypes is None or buf.dtype in fast_tanh_dtypes))
+    return cfg, BLOCK_V, num_warps, fast_tanh
+
+
 def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
     """Launch the row kernel on one [C, V] chunk (same contract as :func:`_rows_torch`)."""
     C, V = buf.shape
     if C == 0:
         return
     assert buf.stride(1) == 1, "logits chunk rows must be contiguous"
-    cfg = {**_ROW_DEFAULTS, **ROW_CONFIG}
-    BLOCK_V = min(cfg.get("BLOCK_V") or 4096, triton.next_power_of_2(V))
-    num_warps = cfg.get("num_warps") or (16 if BLOCK_V >= 4096 else (8 if BLOCK_V >= 1024 else 4))
-    fast_tanh = bool(cfg.get("FAST_TANH")) and buf.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    cfg, BLOCK_V, num_warps, fast_tanh = row_launch_config(buf, _ROW_DEFAULTS, ROW_CONFIG)
     dummy = target  # any tensor: pointers the constexpr flags switch off are never dereferenced
     _lce_rows_kernel[(C,)](
         buf, buf.stride(0), target,

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, HAVE_TRITON, _chunk_loop, rows_per_chunk
+from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, HAVE_TRITON, _chunk_loop, row_launch_config, rows_per_chunk
 
 if HAVE_TRITON:
     import triton
@@ -175,12 +175,10 @@ def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap,
     if C == 0:
         return
     assert buf.stride(1) == 1, "logits chunk rows must be contiguous"
-    cfg = {**_ROW_DEFAULTS, **ROW_CONFIG}
-    BLOCK_V = min(cfg.get("BLOCK_V") or 4096, triton.next_power_of_2(V))
-    num_warps = cfg.get("num_warps") or (16 if BLOCK_V >= 4096 else (8 if BLOCK_V >= 1024 else 4))
-    num_warps = min(num_warps, max(1, BLOCK_V // 32))
-    fast_tanh = (bool(cfg.get("FAST_TANH")) and buf.is_cuda and buf.dtype in (torch.bfloat16, torch.float16)
-                 and os.environ.get("TRITON_INTERPRET") != "1")
+    # fp32 logits keep the exact tanh: at softcap 30 the approximation's ~2^-11 error is too large for
+    # importance ratios.
+    _, BLOCK_V, num_warps, fast_tanh = row_launch_config(buf, _ROW_DEFAULTS, ROW_CONFIG,
+                                                         (torch.bfloat16, torch.float16))
     dummy = lse  # any fp32 tensor: pointers the constexpr flags switch off are never dereferenced
     _logp_rows_kernel[(C,)](
         buf, buf.stride(0), index,

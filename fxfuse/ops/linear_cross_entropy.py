@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
+from ._lm_head import flatten_and_grad_flags
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
 
@@ -211,13 +212,7 @@ _lib.define(
 def _linear_cross_entropy_composite(hidden, weight, target, bias, ignore_index=-100, reduction="mean",
                                     softcap=0.0, scale=1.0, label_smoothing=0.0, grad_in_forward=True,
                                     chunk_bytes=0):
-    D = hidden.shape[-1]
-    h2 = hidden.reshape(-1, D)
-    t1 = target.reshape(-1)
-    on = torch.is_grad_enabled()
-    gh = on and hidden.requires_grad
-    gw = on and weight.requires_grad
-    gb = on and bias is not None and bias.requires_grad
+    h2, t1, gh, gw, gb = flatten_and_grad_flags(hidden, weight, target, bias)
     gif = bool(grad_in_forward) and reduction != "none" and (gh or gw or gb)
     return torch.ops.fxfuse.linear_cross_entropy_fwd(
         h2, weight, t1, bias, ignore_index, reduction, float(softcap), float(scale), float(label_smoothing),

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
+from ._lm_head import flatten_and_grad_flags
 from ..kernels import linear_log_probs as K
 
 __all__ = ["linear_log_probs"]
@@ -153,13 +154,7 @@ _lib.define(
 
 def _linear_log_probs_composite(hidden, weight, index, bias, temperature=1.0, softcap=0.0, return_entropy=False,
                                 chunk_bytes=0):
-    D = hidden.shape[-1]
-    h2 = hidden.reshape(-1, D)
-    i1 = index.reshape(-1)
-    on = torch.is_grad_enabled()
-    gh = on and hidden.requires_grad
-    gw = on and weight.requires_grad
-    gb = on and bias is not None and bias.requires_grad
+    h2, i1, gh, gw, gb = flatten_and_grad_flags(hidden, weight, index, bias)
     logp, ent, _lse, _ez = torch.ops.fxfuse.linear_log_probs_fwd(
         h2, weight, i1, bias, float(temperature), float(softcap), bool(return_entropy), gh, gw, gb,
         int(chunk_bytes))

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
+from ..graph_utils import known_true
 from ..kernels import softcap_attention as _k
 
 __all__ = ["softcap_attention", "check_softcap_attention", "OP_NAME", "BACKWARD_OP_NAME"]
@@ -52,18 +53,6 @@ MAX_HEAD_DIM = 256
 
 
 # ================================================================================================= contract
-def _known(pred) -> bool:
-    """True only when ``pred`` (possibly symbolic) holds for every value of its symbols; adds no guard."""
-    if isinstance(pred, bool):
-        return pred
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(pred))
-    except Exception:
-        return False
-
-
 def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window) -> None:
     """The op's contract; raises :class:`~fxfuse.errors.FxFuseContractError`. Symbolic sizes: only a provable
     mismatch raises (the real impl re-checks with concrete sizes)."""
@@ -81,9 +70,9 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window) -> 
     c.dim_eq("k", 3, "v", 3, hint="v's head_dim must equal q's and k's")
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    if _known(Hq % Hkv != 0):
+    if known_true(Hq % Hkv != 0):
         c.fail(f"q heads ({Hq}) must be a multiple of kv heads ({Hkv})", "pass k/v before repeat_kv")
-    if _known(Dh > MAX_HEAD_DIM):
+    if known_true(Dh > MAX_HEAD_DIM):
         c.fail(f"head_dim {Dh} > {MAX_HEAD_DIM} is not supported")
     if not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
         c.fail(f"scaling must be a finite float, got {scaling!r}")
@@ -101,7 +90,7 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window) -> 
         names = ("batch", "q heads", "query length S", "key length Skv")
         for i in range(1, mask.dim() + 1):
             md, td = mask.shape[-i], target[-i]
-            if _known(md != 1) and _known(md != td):
+            if known_true(md != 1) and known_true(md != td):
                 c.fail(f"mask {list(mask.shape)} does not broadcast to [B, Hq, S, Skv] = {list(target)}: "
                        f"dim {-i} is {md}, expected 1 or {td} ({names[-i]})",
                        "slice the mask to the keys actually attended (mask[..., :Skv]); a per-kv-head mask "
