@@ -349,6 +349,26 @@ if HAS_TRITON:
             return qk * out_mul, qk
 
     @triton.jit
+    def _masked_scores(qk, sc_mul, out_mul, mptrs, qi, ki, S, SKV, OFF, window, SOFTCAP: tl.constexpr,
+                       MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       BOUNDARY: tl.constexpr):
+        """(s2, t) of one score tile with every mask applied. ``qi``/``ki`` are the query/key indices broadcast
+        to the tile's shape, so the forward and dQ loops (queries x keys) and the dK/dV loop (keys x queries)
+        share this. Causal/window/out-of-range masking is needed only on BOUNDARY tiles; interior tiles are
+        fully kept by construction of the loop bounds."""
+        s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
+        if MASK_KIND != 0:
+            s2 = _apply_mask_tensor(s2, mptrs, (qi < S) & (ki < SKV), MASK_KIND)
+        if BOUNDARY:
+            ok = (qi < S) & (ki < SKV)
+            if IS_CAUSAL:
+                ok = ok & (ki <= qi + OFF)
+            if HAS_WINDOW:
+                ok = ok & (qi + OFF - ki < window)
+            s2 = tl.where(ok, s2, float("-inf"))
+        return s2, t
+
+    @triton.jit
     def _apply_mask_tensor(s2, mptrs, mbounds, MASK_KIND: tl.constexpr):
         # MASK_KIND 1: additive float (values <= -65504 count as masked -> -inf); 2: bool/uint8, keep != 0.
         if MASK_KIND == 1:
@@ -380,17 +400,9 @@ if HAS_TRITON:
                     kv_mask = None
             k = _load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
             qk = _dot(q, tl.trans(k), DOT_FP32)
-            s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
-            if MASK_KIND != 0:
-                s2 = _apply_mask_tensor(s2, M_blk + offs_n[None, :] * stride_mn,
-                                        (offs_m[:, None] < S) & (offs_n[None, :] < SKV), MASK_KIND)
-            if BOUNDARY:
-                ok = offs_n[None, :] < SKV
-                if IS_CAUSAL:
-                    ok = ok & (offs_n[None, :] <= offs_m[:, None] + OFF)
-                if HAS_WINDOW:
-                    ok = ok & (offs_m[:, None] + OFF - offs_n[None, :] < window)
-                s2 = tl.where(ok, s2, float("-inf"))
+            s2, t = _masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
+                                   offs_n[None, :], S, SKV, OFF, window, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                   HAS_WINDOW, BOUNDARY)
             m_new = tl.maximum(m_i, tl.max(s2, 1))
             # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -530,17 +542,9 @@ if HAS_TRITON:
             q = tl.load(Q_blk + offs_m[:, None] * stride_qm, mask=q_mask, other=0.0)
             lse2 = tl.load(LSE_h + offs_m, mask=offs_m < S, other=float("inf")) * 1.4426950408889634
             qkT = _dot(k, tl.trans(q), DOT_FP32)
-            s2, t = _scores(qkT, sc_mul, out_mul, SOFTCAP)
-            if MASK_KIND != 0:
-                s2 = _apply_mask_tensor(s2, M_blk + offs_m[None, :] * stride_mm,
-                                        (offs_n[:, None] < SKV) & (offs_m[None, :] < S), MASK_KIND)
-            if BOUNDARY:
-                ok = offs_m[None, :] < S
-                if IS_CAUSAL:
-                    ok = ok & (offs_n[:, None] <= offs_m[None, :] + OFF)
-                if HAS_WINDOW:
-                    ok = ok & (offs_m[None, :] + OFF - offs_n[:, None] < window)
-                s2 = tl.where(ok, s2, float("-inf"))
+            s2, t = _masked_scores(qkT, sc_mul, out_mul, M_blk + offs_m[None, :] * stride_mm, offs_m[None, :],
+                                   offs_n[:, None], S, SKV, OFF, window, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                   HAS_WINDOW, BOUNDARY)
             pT = tl.exp2(s2 - lse2[None, :])
             do = tl.load(DO_blk + offs_m[:, None] * stride_dom, mask=q_mask, other=0.0)
             if DO_DV:
@@ -646,17 +650,9 @@ if HAS_TRITON:
             k = _load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
             v = _load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
             qk = _dot(q, tl.trans(k), DOT_FP32)
-            s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
-            if MASK_KIND != 0:
-                s2 = _apply_mask_tensor(s2, M_blk + offs_n[None, :] * stride_mn,
-                                        (offs_m[:, None] < S) & (offs_n[None, :] < SKV), MASK_KIND)
-            if BOUNDARY:
-                ok = offs_n[None, :] < SKV
-                if IS_CAUSAL:
-                    ok = ok & (offs_n[None, :] <= offs_m[:, None] + OFF)
-                if HAS_WINDOW:
-                    ok = ok & (offs_m[:, None] + OFF - offs_n[None, :] < window)
-                s2 = tl.where(ok, s2, float("-inf"))
+            s2, t = _masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
+                                   offs_n[None, :], S, SKV, OFF, window, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                   HAS_WINDOW, BOUNDARY)
             p = tl.exp2(s2 - lse2[:, None])
             dp = _dot(do, tl.trans(v), DOT_FP32)
             ds = p * (dp - Di[:, None])

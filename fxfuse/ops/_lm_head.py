@@ -18,3 +18,13 @@ def flatten_and_grad_flags(hidden: Tensor, weight: Tensor, target: Tensor, bias:
     on = torch.is_grad_enabled()
     return (hidden.reshape(-1, D), target.reshape(-1), on and hidden.requires_grad, on and weight.requires_grad,
             on and bias is not None and bias.requires_grad)
+
+
+def empty_weight_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], grad_hidden: bool,
+                       grad_weight: bool, grad_bias: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Fake (shape, dtype, stride) gradients of hidden [N, D], weight [V, D] and bias [V]; [0] when not asked."""
+    N, D = hidden.shape
+    V = weight.shape[0]
+    return (hidden.new_empty((N, D)) if grad_hidden else hidden.new_empty(0),
+            weight.new_empty((V, D)) if grad_weight else hidden.new_empty(0),
+            bias.new_empty((V,)) if (grad_bias and bias is not None) else hidden.new_empty(0))

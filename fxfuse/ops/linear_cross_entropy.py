@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
-from ._lm_head import flatten_and_grad_flags
+from ._lm_head import empty_weight_grads, flatten_and_grad_flags
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
 
@@ -130,12 +130,7 @@ def linear_cross_entropy_bwd(
 @linear_cross_entropy_bwd.register_fake
 def _(grad_loss, hidden, weight, target, bias, lse, ignore_index, reduction, softcap, scale, label_smoothing,
       grad_hidden, grad_weight, grad_bias, chunk_bytes):
-    N, D = hidden.shape
-    V = weight.shape[0]
-    gh = hidden.new_empty((N, D)) if grad_hidden else hidden.new_empty(0)
-    gw = weight.new_empty((V, D)) if grad_weight else hidden.new_empty(0)
-    gb = bias.new_empty((V,)) if (grad_bias and bias is not None) else hidden.new_empty(0)
-    return gh, gw, gb
+    return empty_weight_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
 
 
 @torch.library.custom_op("fxfuse::linear_cross_entropy_scale_grads_", mutates_args=("grad_hidden", "grad_weight",

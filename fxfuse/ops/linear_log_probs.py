@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
-from ._lm_head import flatten_and_grad_flags
+from ._lm_head import empty_weight_grads, flatten_and_grad_flags
 from ..kernels import linear_log_probs as K
 
 __all__ = ["linear_log_probs"]
@@ -107,12 +107,7 @@ def linear_log_probs_bwd(
 @linear_log_probs_bwd.register_fake
 def _(grad_logp, grad_entropy, hidden, weight, index, bias, lse, ez, temperature, softcap, grad_hidden,
       grad_weight, grad_bias, chunk_bytes):
-    N, D = hidden.shape
-    V = weight.shape[0]
-    gh = hidden.new_empty((N, D)) if grad_hidden else hidden.new_empty(0)
-    gw = weight.new_empty((V, D)) if grad_weight else hidden.new_empty(0)
-    gb = bias.new_empty((V,)) if (grad_bias and bias is not None) else hidden.new_empty(0)
-    return gh, gw, gb
+    return empty_weight_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
 
 
 # ================================================================================================ autograd
