@@ -3,7 +3,8 @@ timing and peak-memory method), for fxfuse variants the anchor script does not c
 
 * ``fxfuse``             logits unused (they come back lazily and are never computed);
 * ``fxfuse+read-logits`` a metric reads the logits every step (token accuracy under no_grad): they materialise;
-* ``fxfuse-materialize`` pass option ``logits="materialize"`` (real logits returned from the graph).
+* ``fxfuse-materialize`` pass option ``logits="materialize"`` (real logits returned from the graph);
+* ``lora-<impl>``        PEFT LoRA r16 / alpha 32 / dropout 0.05 on every projection (the anchors' LoRA rows).
 
 Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...] [llama|gemma2] [B]
 (``eager`` and ``inductor`` are accepted too, for runs the anchor script does not cover.)
@@ -24,37 +25,52 @@ def emit(**row):
     print(json.dumps(row), flush=True)
 
 
-def main():
+def build(impl, shape="llama", B=None):
+    """(compiled step callable, model, optimizer, input ids, config) for one impl, as the anchors build it."""
     import fxfuse  # noqa: F401  (registers the backend when run from a source tree)
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     dev = "cuda"
-    shape = sys.argv[2] if len(sys.argv) > 2 else "llama"
     if shape == "gemma2":  # the anchors' Gemma-2-2B shape, eager attention (transformers refuses sdpa + softcap)
         cfg = Gemma2Config(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
                            num_key_value_heads=4, head_dim=256, vocab_size=256000, sliding_window=4096,
                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
-        B, S, attn, name = 1, 4096, "eager", "gemma2-2b shape"
+        B0, S, attn, name = 1, 4096, "eager", "gemma2-2b shape"
     else:
         cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                           tie_word_embeddings=True)
-        B, S, attn, name = 4, 2048, "sdpa", "llama3.2-1b shape"
-    B = int(sys.argv[3]) if len(sys.argv) > 3 else B
+        B0, S, attn, name = 4, 2048, "sdpa", "llama3.2-1b shape"
+    B = int(B) if B else B0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).to(dev)
+    opts = {"pass_options": {"linear_cross_entropy": {"logits": "materialize"}}} if "materialize" in impl else None
+    base_impl = impl
+    if impl.startswith("lora-"):  # the anchors' PEFT setup: LoRA r16 on every projection, frozen base
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        base_impl = impl[len("lora-"):]
+    if base_impl == "eager":
+        fwd = model
+    elif base_impl == "inductor":
+        fwd = torch.compile(model)
+    else:
+        fwd = torch.compile(model, backend="fxfuse", options=opts)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev)
+    return fwd, model, opt, ids, (cfg, name, B, S)
+
+
+def main():
+    import fxfuse
+
+    shape = sys.argv[2] if len(sys.argv) > 2 else "llama"
     impls = (sys.argv[1] if len(sys.argv) > 1 else "fxfuse,fxfuse+read-logits,fxfuse-materialize").split(",")
     for impl in impls:
+      name, B, S = "?", 0, 0
       try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).to(dev)
-        opts = {"pass_options": {"linear_cross_entropy": {"logits": "materialize"}}} if "materialize" in impl else None
-        if impl == "eager":
-            fwd = model
-        elif impl == "inductor":
-            fwd = torch.compile(model)
-        else:
-            fwd = torch.compile(model, backend="fxfuse", options=opts)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-        ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev)
+        fwd, model, opt, ids, (cfg, name, B, S) = build(impl, shape, sys.argv[3] if len(sys.argv) > 3 else None)
         acc = []
 
         def step():

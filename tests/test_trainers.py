@@ -69,3 +69,34 @@ def test_trl_sft_trainer_gradient_accumulation(tmp_path):
     assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-4, abs=1e-5)
     reps = fxfuse.reports()
     assert reps and not any(r.rolled_back for r in reps), [str(r) for r in reps]
+
+
+def _sft_lora_losses(tmp_path, use_fxfuse: bool):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    tok = make_tokenizer()
+    ds = Dataset.from_dict({"text": make_texts(seed=2)})
+    model = tiny_causal_lm("llama")
+    cfg = SFTConfig(output_dir=str(tmp_path / ("lora_ff" if use_fxfuse else "lora_ref")),
+                    per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
+                    logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+                    max_length=32, dataloader_num_workers=0)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=lora)
+    if use_fxfuse:  # compile the PEFT model SFTTrainer built (in place: the trainer keeps its object)
+        trainer.model.compile(backend="fxfuse", options=AOT)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trl_sft_trainer_with_peft_config(tmp_path):
+    ref = _sft_lora_losses(tmp_path, False)
+    torch._dynamo.reset()
+    fxfuse.clear_reports()
+    got = _sft_lora_losses(tmp_path, True)
+    assert len(ref) == 3 and got == pytest.approx(ref, rel=1e-4, abs=1e-5)
+    lora_sites = [s for r in fxfuse.reports() for s in r.fused if s.pass_name == "lora_linear"]
+    assert len(lora_sites) >= 14, [str(r) for r in fxfuse.reports()]  # 7 projections x 2 layers

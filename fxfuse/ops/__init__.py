@@ -9,11 +9,14 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 * :func:`linear_log_probs` — per-token ``log_softmax(z)[index]`` and optional entropy of
   ``z = softcap(hidden @ weight.T + bias) / temperature`` (RL / preference losses), arbitrary per-token upstream
   gradients, logits never materialised.
+* :func:`lora_linear` — a (frozen) linear layer plus its LoRA adapters, ``x @ W.T + sum_i s_i * dropout_i(x) @
+  A_i.T @ B_i.T``, with the dropout masks regenerated from a seed in the backward instead of stored.
 * :func:`softcap_attention` — ``softmax(softcap(q @ k.T * scaling) + mask) @ v`` flash-attention style, GQA
   without repeating K/V, causal / sliding window / mask tensors.
 """
 from .linear_cross_entropy import linear_cross_entropy
 from .linear_log_probs import linear_log_probs
+from .lora_linear import lora_linear
 from .softcap_attention import softcap_attention
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "softcap_attention"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention"]

@@ -1,0 +1,289 @@
+"""LoRA linear on the GPU: correctness of ``fxfuse::lora_linear`` against a float64 reference (same dropout masks),
+then fwd+bwd time and extra peak memory side by side with the base matmul alone, PEFT eager, PEFT + Inductor and
+PEFT + fxfuse.
+
+The timing setup mirrors /work/shared/anchors/anchors_gpu.py ``sec_lora`` exactly (PEFT ``inject_adapter_in_model``
+on a bias-free bf16 Linear, r16, alpha 32, lora weights ~N(0, 0.02), x [16384, 4096] requiring grad, same ``bench``),
+so the rows compare with DESIGN.md sec. 5. Extra rows: the op called directly; per-kernel profile; launch-setting
+sweeps of the two dropout kernels (section ``tune``).
+
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_lora.py [check] [time]
+Writes $OUT/bench_lora.jsonl and prints rows. On CPU it runs a tiny smoke version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn as nn
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _common import bench, rel  # noqa: E402
+
+import fxfuse  # noqa: E402,F401
+from fxfuse.kernels import lora_linear as K  # noqa: E402
+from fxfuse.ops.lora_linear import lora_dropout_keep_mask, lora_linear  # noqa: E402
+
+OUT = os.environ.get("OUT", "/tmp")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMOKE = DEV == "cpu"
+
+
+def emit(**row):
+    with open(os.path.join(OUT, "bench_lora.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def _rng_state():
+    return torch.cuda.get_rng_state() if DEV == "cuda" else torch.random.get_rng_state()
+
+
+def _set_rng_state(s):
+    (torch.cuda.set_rng_state if DEV == "cuda" else torch.random.set_rng_state)(s)
+
+
+# ------------------------------------------------------------------------------------------------ correctness
+def check():
+    cases = [  # N, din, dout, ranks, dropout ps, bias, dtype
+        (1000, 320, 200, (16,), (0.0,), False, torch.bfloat16),
+        (1000, 320, 200, (16,), (0.1,), True, torch.bfloat16),
+        (777, 4096, 1030, (24,), (0.05,), False, torch.bfloat16),
+        (513, 200, 300, (8, 16), (0.0, 0.3), True, torch.bfloat16),
+        (1000, 320, 200, (16,), (0.1,), True, torch.float32),
+        (333, 96, 80, (4, 8), (0.2, 0.0), False, torch.float32),
+        (256, 128, 64, (16,), (0.1,), False, torch.float16),
+    ]
+    if SMOKE:
+        cases = cases[:2]
+    for case in cases:
+        try:
+            _check_case(*case)
+        except Exception as e:
+            emit(section="lora_check", case=str(case), error=f"{type(e).__name__}: {e}"[:400], ok=False)
+            traceback.print_exc()
+
+
+def _check_case(N, din, dout, ranks, ps, has_bias, dt):
+    torch.manual_seed(0)
+    x = torch.randn(N, din, device=DEV, dtype=dt, requires_grad=True)
+    W = (torch.randn(dout, din, device=DEV) / din ** 0.5).to(dt)
+    b = torch.randn(dout, device=DEV, dtype=dt) if has_bias else None
+    As = [(torch.randn(r, din, device=DEV) / din ** 0.5).to(dt).requires_grad_() for r in ranks]
+    Bs = [(torch.randn(dout, r, device=DEV) / r ** 0.5).to(dt).requires_grad_() for r in ranks]
+    ss = [2.0 / (i + 1) for i in range(len(ranks))]
+    st = _rng_state()
+    if DEV == "cuda":  # the op must not synchronise with the host (forward and backward)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = lora_linear(x, W, As, Bs, ss, bias=b, dropout_p=list(ps))
+        go = torch.randn_like(y)
+        gs = torch.autograd.grad(y, [x] + As + Bs, go)
+    finally:
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    _set_rng_state(st)
+    seeds = K.draw_seeds(len(ps), DEV)
+    masks = [lora_dropout_keep_mask(seeds[i], N, din, p, DEV) if p > 0 else None for i, p in enumerate(ps)]
+    d = lambda t: t.detach().double().requires_grad_()  # noqa: E731
+    xr, Ar, Br = d(x), [d(a) for a in As], [d(q) for q in Bs]
+    yr = K.lora_reference(xr, W.double(), b.double() if b is not None else None, Ar, Br, ss, masks, ps)
+    gr = torch.autograd.grad(yr, [xr] + Ar + Br, go.double())
+    names = ["x"] + [f"A{i}" for i in range(len(As))] + [f"B{i}" for i in range(len(Bs))]
+    errs = {"y": rel(y, yr), **{f"g{n}": rel(a, r) for n, a, r in zip(names, gs, gr)}}
+    keep = [round(m.float().mean().item(), 4) for m in masks if m is not None]
+    tol = 1e-2 if dt != torch.float32 else 1e-4
+    emit(section="lora_check", N=N, din=din, dout=dout, ranks=list(ranks), dropout=list(ps), bias=has_bias,
+         dtype=str(dt), errors=errs, keep_fraction=keep, ok=all(v < tol for v in errs.values()))
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def _lora_model(din, dout, r, dropout):
+    import peft
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(din, dout, bias=False)).to(DEV, torch.bfloat16)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout,
+                                                         target_modules=["0"]), model)
+    lw = [p for n, p in model.named_parameters() if "lora" in n]
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora" in n)
+    with torch.no_grad():
+        for p in lw:
+            p.normal_(0, 0.02)
+    return model, lw
+
+
+def time_layers():
+    cases = [("q_proj 4096->4096 r16", 16384, 4096, 4096, 16), ("up_proj 4096->14336 r16", 16384, 4096, 14336, 16)]
+    if SMOKE:
+        cases = [("tiny", 256, 64, 96, 8)]
+    for name, N, din, dout, r in cases:
+        for dropout in (0.0, 0.05):
+            model, lw = _lora_model(din, dout, r, dropout)
+            x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            go = torch.randn(N, dout, device=DEV, dtype=torch.bfloat16)
+            flops = 2 * 2 * N * din * dout
+            lin = model[0]
+            A, B = lin.lora_A["default"].weight, lin.lora_B["default"].weight
+            s = lin.scaling["default"]
+            W = lin.base_layer.weight
+
+            def op_call():
+                return lora_linear(x, W, A, B, s, dropout_p=dropout)
+
+            variants = {"peft eager": model, "peft inductor": torch.compile(model),
+                        "peft fxfuse": torch.compile(model, backend="fxfuse"),
+                        "fxfuse op": "op"}
+            for iname, m in variants.items():
+                def step(m=m):
+                    x.grad = None
+                    for p in lw:
+                        p.grad = None
+                    if m == "op":
+                        y = op_call()
+                    else:
+                        y = m(x)
+                    y.backward(go)
+                try:
+                    ms, mem = bench(step)
+                    emit(section="lora", shape=name, dropout=dropout, impl=iname, ms=round(ms, 3),
+                         peak_gib=round(mem, 3), tflops_base=round(flops / ms / 1e9, 1))
+                except Exception as e:
+                    emit(section="lora", shape=name, dropout=dropout, impl=iname, error=f"{type(e).__name__}: {e}"[:300])
+                    traceback.print_exc()
+            Wb = torch.randn(dout, din, device=DEV, dtype=torch.bfloat16)
+
+            def base_only():
+                x.grad = None
+                y = torch.nn.functional.linear(x, Wb)
+                y.backward(go)
+            ms, mem = bench(base_only)
+            emit(section="lora", shape=name, dropout=dropout, impl="base matmul only (floor)", ms=round(ms, 3),
+                 peak_gib=round(mem, 3), tflops_base=round(flops / ms / 1e9, 1))
+            # where the fused op's time goes: forward alone, and the base GEMM + addmm epilogue alone
+            with torch.no_grad():
+                ms_f, _ = bench(op_call)
+                C = torch.randn(N, dout, device=DEV, dtype=torch.bfloat16)
+                ms_mm, _ = bench(lambda: torch.mm(x, Wb.t()))
+                ms_addmm, _ = bench(lambda: torch.addmm(C, x, Wb.t()))
+            emit(section="lora_parts", shape=name, dropout=dropout, fwd_op_ms=round(ms_f, 3), mm_ms=round(ms_mm, 3),
+                 addmm_ms=round(ms_addmm, 3))
+            del model, variants
+            torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------ profile
+def profile():
+    """Per-kernel CUDA time of the op's fwd+bwd (q_proj shape), and alternatives for the two gy products."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    N, din, dout, r = (16384, 4096, 4096, 16) if not SMOKE else (256, 64, 96, 8)
+    x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(dout, din, device=DEV, dtype=torch.bfloat16) / din ** 0.5
+    A = (torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    B = (torch.randn(dout, r, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    go = torch.randn(N, dout, device=DEV, dtype=torch.bfloat16)
+    for p in (0.0, 0.05):
+        def step():
+            y = lora_linear(x, W, A, B, 2.0, dropout_p=p)
+            y.backward(go)
+        for _ in range(3):
+            step()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
+        with tprofile(activities=acts) as prof:
+            for _ in range(5):
+                step()
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", 0) if DEV == "cuda" else e.cpu_time_total
+            if t and (DEV != "cuda" or e.device_type.name == "CUDA"):
+                rows.append((e.key[:90], round(t / 5 / 1e3, 4), e.count // 5))
+        rows.sort(key=lambda t: -t[1])
+        emit(section="lora_profile", dropout=p, kernels_ms_per_step=rows[:14])
+    Bs = B.detach() * 2.0
+    V = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
+    alts = {"cuBLAS gy@Bs": lambda: go @ Bs, "cuBLAS gy.T@V": lambda: go.t() @ V,
+            "cuBLAS V.T@gy": lambda: V.t() @ go, "cuBLAS x@A.T": lambda: x.detach() @ A.detach().t(),
+            "cuBLAS V@Bs.T": lambda: V @ Bs.t()}
+    with torch.no_grad():
+        for name, fn in alts.items():
+            try:
+                ms, _ = bench(fn)
+                emit(section="lora_alt", what=name, ms=round(ms, 4))
+            except Exception as e:
+                emit(section="lora_alt", what=name, error=f"{type(e).__name__}: {e}"[:300])
+
+
+def tune(sweep_launch=False):
+    """The two dropout kernels alone: mask-generation variants (Philox rounds, word expansion) at the q_proj and the
+    e2e (Llama-3.2-1B, 4x2048) shapes, and optionally a launch-setting sweep at the q_proj shape."""
+    r = 16
+    shapes = [(16384, 4096), (8192, 2048)] if not SMOKE else [(256, 64)]
+    default_mask = dict(K.MASK_CONFIG)
+    for N, din in shapes:
+        x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
+        A = torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02
+        V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
+        gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
+        C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
+        gA = torch.empty(r, din, device=DEV, dtype=torch.bfloat16)
+        seed = K.draw_seeds(1, DEV)
+        with torch.no_grad():
+            ms_mm, _ = bench(lambda: x @ A.t())
+        emit(section="lora_tune", shape=[N, din], kernel="cuBLAS x @ A.T (no dropout)", ms=round(ms_mm, 4))
+        for rounds, expand in ((10, 0), (10, 1), (7, 0), (7, 1)):
+            K.MASK_CONFIG = dict(ROUNDS=rounds, EXPAND=expand)
+            for what, fn in (("down", lambda: K._down_dropout(x, A, V, seed, 0.05)),
+                             ("up_bwd both", lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, True, False, True))):
+                try:
+                    ms, _ = bench(fn)
+                    emit(section="lora_tune", shape=[N, din], kernel=what, mask=K.MASK_CONFIG, ms=round(ms, 4))
+                except Exception as e:
+                    emit(section="lora_tune", shape=[N, din], kernel=what, mask=K.MASK_CONFIG,
+                         error=f"{type(e).__name__}: {e}"[:200])
+        K.MASK_CONFIG = dict(default_mask)
+    if not sweep_launch:
+        return
+    N, din = shapes[0]
+    x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
+    A = torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02
+    V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
+    gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
+    C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
+    gA = torch.empty(r, din, device=DEV, dtype=torch.bfloat16)
+    seed = K.draw_seeds(1, DEV)
+    default_down, default_up = dict(K.DOWN_CONFIG), dict(K.UP_BWD_CONFIG)
+    for BM, BK, nw, ns in ((64, 64, 4, 3), (32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3),
+                           (32, 128, 4, 4), (128, 128, 8, 3), (64, 256, 8, 2)):
+        K.DOWN_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
+        ms, _ = bench(lambda: K._down_dropout(x, A, V, seed, 0.05))
+        emit(section="lora_tune", kernel="down", cfg=K.DOWN_CONFIG, ms=round(ms, 4))
+    for BM, BK, nw, ns in ((64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2),
+                           (64, 256, 8, 2), (32, 256, 8, 2), (64, 128, 4, 3)):
+        K.UP_BWD_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
+        for what, wc, wa in (("both", True, True), ("gx only", True, False), ("gA only", False, True)):
+            ms, _ = bench(lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, wc, False, wa))
+            emit(section="lora_tune", kernel=f"up_bwd {what}", cfg=K.UP_BWD_CONFIG, ms=round(ms, 4))
+    K.DOWN_CONFIG, K.UP_BWD_CONFIG = default_down, default_up
+
+
+if __name__ == "__main__":
+    secs = sys.argv[1:] or ["check", "time"]
+    if DEV == "cuda":
+        emit(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    if "check" in secs:
+        check()
+    if "profile" in secs:
+        profile()
+    if "tune" in secs or "tune-launch" in secs:
+        tune(sweep_launch="tune-launch" in secs)
+    if "time" in secs:
+        time_layers()

@@ -1,0 +1,162 @@
+"""``fxfuse::lora_linear``: forward and every gradient against a float64 reference (same dropout masks), on the
+chunked PyTorch path and on the Triton kernels (interpreter on CPU); dropout statistics, determinism, contract
+errors, compile with dynamic shapes, activation checkpointing."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import fxfuse
+from fxfuse.kernels import lora_linear as K
+from fxfuse.ops.lora_linear import lora_dropout_keep_mask, lora_linear
+
+
+def _inputs(N, din, dout, ranks, dtype, adapter_dtype=None, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    adt = adapter_dtype or dtype
+    x = torch.randn(N, din, generator=g).to(dtype).requires_grad_()
+    W = (torch.randn(dout, din, generator=g) / din ** 0.5).to(dtype)
+    b = torch.randn(dout, generator=g).to(dtype) if bias else None
+    As = [(torch.randn(r, din, generator=g) / din ** 0.5).to(adt).requires_grad_() for r in ranks]
+    Bs = [(torch.randn(dout, r, generator=g) / r ** 0.5).to(adt).requires_grad_() for r in ranks]
+    return x, W, b, As, Bs
+
+
+def _check(x, W, b, As, Bs, scalings, ps, tol, fn=lora_linear):
+    """Run the op, rebuild its masks from the seeds it drew, compare y and every gradient with float64."""
+    state = torch.random.get_rng_state()
+    y = fn(x, W, As, Bs, scalings, bias=b, dropout_p=list(ps))
+    go = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x] + As + Bs, go)
+    torch.random.set_rng_state(state)
+    seeds = K.draw_seeds(len(ps), "cpu")
+    N, din = x.shape
+    masks = [lora_dropout_keep_mask(seeds[i], N, din, p, "cpu") if p > 0 else None for i, p in enumerate(ps)]
+    d = lambda t: t.detach().double().requires_grad_()  # noqa: E731
+    xr, Ar, Br = d(x), [d(a) for a in As], [d(q) for q in Bs]
+    yr = K.lora_reference(xr, W.double(), None if b is None else b.double(), Ar, Br, scalings, masks, ps)
+    ref = torch.autograd.grad(yr, [xr] + Ar + Br, go.double())
+    assert y.dtype == x.dtype and y.shape == (N, W.shape[0])
+    for name, a, r in [("y", y, yr)] + list(zip(["x"] + [f"A{i}" for i in range(len(As))] +
+                                              [f"B{i}" for i in range(len(Bs))], got, ref)):
+        err = ((a.double() - r).norm() / r.norm()).item()
+        assert err < tol, f"{name}: relative error {err:.2e} >= {tol}"
+    for a, g in zip(As + Bs, got[1:]):
+        assert g.dtype == a.dtype  # fp32 adapters get fp32 gradients
+    return masks
+
+
+CASES = [  # N, din, dout, ranks, dropout ps, bias
+    (37, 48, 40, (4,), (0.0,), False),
+    (37, 48, 40, (4,), (0.25,), True),
+    (70, 72, 33, (4, 8), (0.0, 0.3), False),
+    (5, 16, 24, (2, 3), (0.5, 0.1), True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-r{'+'.join(map(str, c[3]))}-p{'+'.join(map(str, c[4]))}")
+def test_matches_float64_reference_torch_path(case):
+    N, din, dout, ranks, ps, bias = case
+    x, W, b, As, Bs = _inputs(N, din, dout, ranks, torch.float32, bias=bias)
+    _check(x, W, b, As, Bs, [2.0, 0.5][:len(ranks)], ps, tol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=["one-adapter-dropout", "two-adapters"])
+def test_matches_float64_reference_triton_kernels(case, monkeypatch):
+    """The Triton kernels themselves (interpreter on CPU): ragged sizes, masked rank padding, atomics."""
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    N, din, dout, ranks, ps, bias = case
+    x, W, b, As, Bs = _inputs(N, din, dout, ranks, torch.float32, bias=bias)
+    _check(x, W, b, As, Bs, [2.0, 0.5][:len(ranks)], ps, tol=2e-5)  # 16-bit dropout threshold: p within 2**-17
+
+
+def test_bf16_and_fp32_adapters_on_bf16_base():
+    x, W, b, As, Bs = _inputs(64, 48, 40, (8,), torch.bfloat16, bias=True)
+    _check(x, W, b, As, Bs, [2.0], (0.1,), tol=1e-2)
+    x, W, b, As, Bs = _inputs(64, 48, 40, (8,), torch.bfloat16, adapter_dtype=torch.float32)
+    _check(x, W, b, As, Bs, [2.0], (0.1,), tol=1e-2)
+
+
+def test_dropout_mask_statistics_and_determinism():
+    N, din, p = 512, 256, 0.2
+    m1 = lora_dropout_keep_mask(torch.tensor(1), N, din, p, "cpu")
+    m2 = lora_dropout_keep_mask(torch.tensor(2), N, din, p, "cpu")
+    assert m1.dtype == torch.bool and m1.shape == (N, din)
+    assert abs(m1.float().mean().item() - (1 - p)) < 0.01
+    assert (m1 != m2).float().mean().item() > 0.2  # independent masks per seed
+    assert torch.equal(m1, lora_dropout_keep_mask(torch.tensor(1), N, din, p, "cpu"))
+    # the op: same torch seed -> same output; a new draw -> a different mask
+    x, W, b, As, Bs = _inputs(N, din, 16, (4,), torch.float32)
+    torch.manual_seed(3)
+    y1 = lora_linear(x, W, As[0], Bs[0], 1.0, dropout_p=p)
+    y2 = lora_linear(x, W, As[0], Bs[0], 1.0, dropout_p=p)
+    torch.manual_seed(3)
+    y3 = lora_linear(x, W, As[0], Bs[0], 1.0, dropout_p=p)
+    assert torch.equal(y1, y3) and not torch.equal(y1, y2)
+
+
+def test_triton_mask_statistics(monkeypatch):
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    m = lora_dropout_keep_mask(torch.tensor(7), 96, 200, 0.3, "cpu")
+    assert abs(m.float().mean().item() - 0.7) < 0.02
+    # per column residue mod 8 (the 8 elements one Philox call covers) the keep rate is the same
+    for j in range(8):
+        assert abs(m[:, j::8].float().mean().item() - 0.7) < 0.06
+
+
+@pytest.mark.parametrize("bad", ["a_in", "b_out", "rank", "p", "dtype"])
+def test_contract_errors_name_op_and_shapes(bad):
+    x, W, b, As, Bs = _inputs(8, 16, 12, (4,), torch.float32)
+    A, B, p = As[0], Bs[0], 0.0
+    if bad == "a_in":
+        A = torch.randn(4, 15)
+    elif bad == "b_out":
+        B = torch.randn(11, 4)
+    elif bad == "rank":
+        B = torch.randn(12, 5)
+    elif bad == "p":
+        p = 1.0
+    elif bad == "dtype":
+        W = W.double()
+    with pytest.raises(fxfuse.FxFuseContractError, match="fxfuse::lora_linear") as e:
+        lora_linear(x, W, A, B, 1.0, dropout_p=p)
+    assert "x: [8, 16]" in str(e.value)
+
+
+def test_compiled_dynamic_shapes_no_recompile():
+    from torch._dynamo.testing import CompileCounter
+
+    x, W, b, As, Bs = _inputs(40, 24, 20, (4,), torch.float32)
+    cnt = CompileCounter()
+    f = torch.compile(lambda x: lora_linear(x, W, As[0], Bs[0], 2.0, dropout_p=0.1), backend=cnt, dynamic=True,
+                      fullgraph=True)
+    for n in (40, 57, 13):
+        xi = torch.randn(n, 24, requires_grad=True)
+        f(xi).sum().backward()
+        assert xi.grad.shape == (n, 24)
+    assert cnt.frame_count == 1
+
+
+def test_checkpointed_recompute_uses_the_forward_mask():
+    """Activation checkpointing recomputes the op in the backward: the seed is a saved graph value (drawn by
+    torch.randint in the op's decomposition), so the recomputed mask is the forward's."""
+    import torch._inductor.config as ic
+
+    x, W, b, As, Bs = _inputs(32, 24, 20, (4,), torch.float32)
+    layer = lambda x: torch.tanh(lora_linear(x, W, As[0], Bs[0], 2.0, dropout_p=0.5))  # noqa: E731
+
+    def run(fn):
+        torch.manual_seed(11)
+        y = fn(x)
+        return [y] + list(torch.autograd.grad(y.sum(), [x, As[0], Bs[0]]))
+
+    ref = run(layer)
+    for fn in (lambda x: checkpoint(layer, x, use_reentrant=False),
+               torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False), backend="aot_eager")):
+        for a, r in zip(run(fn), ref):
+            torch.testing.assert_close(a, r)
+    with ic.patch(fallback_random=True):  # Inductor draws the seed with aten's generator: same seed as eager
+        got = run(torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False)))
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
