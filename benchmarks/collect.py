@@ -59,6 +59,58 @@ def plot(name, rows):
     return out
 
 
+def plot_lora(name, rows):
+    """LoRA: per-layer fwd+bwd time (four shape x dropout groups) and whole-model LoRA training throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layer = [r for r in rows if r.get("section") == "lora" and "ms" in r and "shape" in r]
+    e2e = [r for r in rows if r.get("section") == "e2e" and "tokens_per_s" in r and "lora" in r["impl"]]
+    impls = ["base matmul only (floor)", "peft eager", "peft inductor", "peft fxfuse"]
+    colors = ["tab:gray", "tab:blue", "tab:cyan", "tab:red"]
+    groups = []
+    for r in layer:
+        g = (r["shape"], r["dropout"])
+        if g not in groups:
+            groups.append(g)
+    fig, axes = plt.subplots(1, 2, figsize=(16, 4.8), gridspec_kw=dict(width_ratios=[2, 1]))
+    ax = axes[0]
+    w = 0.2
+    for k, (impl, c) in enumerate(zip(impls, colors)):
+        for i, g in enumerate(groups):
+            r = next((r for r in layer if (r["shape"], r["dropout"]) == g and r["impl"] == impl), None)
+            if r is None:
+                continue
+            floor = next(x["ms"] for x in layer if (x["shape"], x["dropout"]) == g and x["impl"] == impls[0])
+            ax.bar(i + (k - 1.5) * w, r["ms"] / floor, w, color=c, label=impl if i == 0 else None)
+            ax.text(i + (k - 1.5) * w, r["ms"] / floor, f"{r['ms']:.2f}\n{r['peak_gib']:.2f}G", ha="center",
+                    va="bottom", fontsize=6)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{s.split(' ')[0]} {s.split(' ')[1]}\ndropout {d}" for s, d in groups], fontsize=8)
+    ax.set_ylabel("time / base matmul (lower is better)")
+    ax.set_ylim(0.9, 1.55)
+    ax.set_title("LoRA r16 layer fwd+bwd, 16384 tokens bf16 (labels: ms, extra GiB)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    if e2e:
+        names = [r["impl"] for r in e2e]
+        ax.bar(names, [r["tokens_per_s"] / 1e3 for r in e2e],
+               color=["tab:red" if "fxfuse" in n else "tab:blue" for n in names])
+        for i, r in enumerate(e2e):
+            ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k\n{r['peak_gib']:.1f} GiB",
+                    ha="center", va="bottom", fontsize=7)
+        ax.set_title("Llama-3.2-1B shape, LoRA r16 all proj, 4x2048")
+        ax.set_ylabel("k tokens/s (higher is better)")
+        ax.tick_params(axis="x", rotation=20, labelsize=8)
+        ax.set_ylim(0, max(r["tokens_per_s"] for r in e2e) / 1e3 * 1.25)
+    fig.tight_layout()
+    out = os.path.join(RESULTS, f"{name}.png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main():
     name, paths = sys.argv[1], sys.argv[2:]
     rows = load(paths)
@@ -69,7 +121,8 @@ def main():
                transformers=env.get("transformers"), commit=commit, rows=rows)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    print(plot(name, rows))
+    lora = any(r.get("section") == "lora" for r in rows)
+    print((plot_lora if lora else plot)(name, rows))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "node_val", "op_kind", "arg", "graph_modules", "is_kind", "users_of", "size_hint", "numel_hint",
-    "SHAPE_ONLY_KINDS", "const_number", "known_true",
+    "SHAPE_ONLY_KINDS", "const_number", "known_true", "copy_node_meta",
 ]
 
 # canonical kind -> parameter names, in positional order (``input`` is ``self`` for method calls)
@@ -183,6 +183,14 @@ def const_number(a: Any) -> Optional[float]:
     if isinstance(a, (int, float)):
         return float(a)
     return None
+
+
+def copy_node_meta(dst: fx.Node, src: fx.Node) -> None:
+    """Give a node a pass inserted the user-facing provenance of the node it replaces (source line, module path),
+    so reports and errors about it point at the user's code."""
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if src.meta.get(key) is not None:
+            dst.meta[key] = src.meta[key]
 
 
 def users_of(n: fx.Node) -> List[fx.Node]:

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.lora_linear  # noqa: F401  (registers torch.ops.fxfuse.lora_linear)
-from fxfuse.graph_utils import arg, const_number, node_val, numel_hint, op_kind
+from fxfuse.graph_utils import arg, copy_node_meta, const_number, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
 NAME = "lora_linear"
@@ -152,12 +152,6 @@ def _match_chain(base: fx.Node, mixed_dtype: str) -> Tuple[Optional[_Site], Opti
     return _Site(base=base, adds=adds, deltas=deltas), why
 
 
-def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if src.meta.get(key) is not None:
-            dst.meta[key] = src.meta[key]
-
-
 def _rewrite(g: fx.Graph, site: _Site) -> fx.Node:
     last = site.adds[-1]
     d = site.deltas
@@ -166,7 +160,7 @@ def _rewrite(g: fx.Graph, site: _Site) -> fx.Node:
             torch.ops.fxfuse.lora_linear.default,
             (arg(site.base, "input"), arg(site.base, "weight"), arg(site.base, "bias"),
              [x.A for x in d], [x.B for x in d], [x.scaling for x in d], [x.dropout_p for x in d]))
-    _copy_meta(node, site.base)
+    copy_node_meta(node, site.base)
     # With adapters in a wider dtype than the base (PEFT's fp32 adapters on a bf16 model) the adds promote to the
     # adapter dtype and PEFT casts the sum back with ``result.to(base dtype)``: the op's output (base dtype) takes
     # the place of that cast; any other consumer gets an explicit cast to the add's dtype.
@@ -179,7 +173,7 @@ def _rewrite(g: fx.Graph, site: _Site) -> fx.Node:
         else:
             with g.inserting_after(node):
                 cast = g.call_method("to", (node, out_dt))
-            _copy_meta(cast, site.base)
+            copy_node_meta(cast, site.base)
             last.replace_all_uses_with(cast)
             replaced = None
     if replaced is not None:

@@ -39,19 +39,13 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
-from fxfuse.graph_utils import node_val, numel_hint, op_kind
+from fxfuse.graph_utils import copy_node_meta, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
 from ._attention_match import AttentionSite, match_attention
 
 NAME = "softcap_attention"
 _VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
-
-
-def _copy_meta(dst: fx.Node, src: fx.Node) -> None:
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if src.meta.get(key) is not None:
-            dst.meta[key] = src.meta[key]
 
 
 def _erase_dead(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
@@ -75,16 +69,16 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
         k = site.k
         if k is None:  # scores were q @ k_t with a [B, H, D, Skv] k_t
             k = g.call_method("transpose", (site.k_t, -2, -1))
-            _copy_meta(k, site.qk)
+            copy_node_meta(k, site.qk)
         mask = site.mask
         if mask is not None and site.mask_negate:
             mask = g.call_function(torch.logical_not, (mask,))
-            _copy_meta(mask, site.qk)
+            copy_node_meta(mask, site.qk)
         node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
                                (site.q, k, site.v, mask, site.scaling, site.softcap, False, 0))
         out = g.call_function(operator.getitem, (node, 0))
-    _copy_meta(node, site.qk)
-    _copy_meta(out, site.qk)
+    copy_node_meta(node, site.qk)
+    copy_node_meta(out, site.qk)
     site.pv.replace_all_uses_with(out)
     g.erase_node(site.pv)
     return node
