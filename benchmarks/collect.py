@@ -121,8 +121,12 @@ def main():
                transformers=env.get("transformers"), commit=commit, rows=rows)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    lora = any(r.get("section") == "lora" for r in rows)
-    print((plot_lora if lora else plot)(name, rows))
+    if any(r.get("section") == "lora" for r in rows):
+        print(plot_lora(name, rows))
+    elif any(r.get("section") in ("lce", "e2e") for r in rows):
+        print(plot(name, rows))
+    else:
+        print(os.path.join(RESULTS, f"{name}.json"), "(no plot for these sections)")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "sub": ("input", "other", "alpha"),
     "neg": ("input",),
     "tanh": ("input",),
+    "exp": ("input",),
     "cast": ("input", "dtype"),
     "view": ("input", "size"),
     "reshape": ("input", "shape"),
@@ -70,7 +71,7 @@ _FUNCTIONS: Dict[Any, str] = {
     torch.add: "add", operator.add: "add",
     torch.sub: "sub", operator.sub: "sub",
     torch.neg: "neg", operator.neg: "neg",
-    torch.tanh: "tanh", F.tanh: "tanh",
+    torch.tanh: "tanh", F.tanh: "tanh", torch.exp: "exp",
     torch.reshape: "reshape", torch.flatten: "flatten",
     torch.t: "t", torch.transpose: "transpose", torch.permute: "permute",
     torch.squeeze: "squeeze", torch.unsqueeze: "unsqueeze",
@@ -89,7 +90,7 @@ _FUNCTIONS: Dict[Any, str] = {
 
 _METHODS: Dict[str, str] = {
     "matmul": "matmul", "mul": "mul", "div": "div", "true_divide": "div", "add": "add", "sub": "sub",
-    "neg": "neg", "tanh": "tanh",
+    "neg": "neg", "tanh": "tanh", "exp": "exp",
     "float": "cast", "half": "cast", "bfloat16": "cast", "double": "cast", "to": "cast", "type": "cast",
     "view": "view", "reshape": "reshape", "flatten": "flatten", "contiguous": "contiguous",
     "t": "t", "transpose": "transpose", "permute": "permute", "squeeze": "squeeze", "unsqueeze": "unsqueeze",

@@ -1,0 +1,204 @@
+"""Fuse an lm-head projection with per-token log-probabilities (and entropy) into ``fxfuse::linear_log_probs``.
+
+Patterns (RL / preference losses written against the logits; ``z`` = the logit chain of ``_logit_chain``: the
+projection, label-shift slices, casts, ``/ temperature``, an optional softcap)::
+
+    lp   = log_softmax(z, dim=-1)                       # or z.log_softmax(-1)
+    logp = lp.gather(-1, index[..., None])[.squeeze(-1)]    # the chosen tokens' log-probabilities
+    ent  = -(lp.exp() * lp).sum(-1)                     # optional, on the same lp: the entropy
+           -(softmax(z, -1) * lp).sum(-1)
+
+become one ``fxfuse::linear_log_probs(hidden, weight, index, bias, temperature, softcap, return_entropy)`` call:
+the [tokens x vocab] logits, their fp32 copy and the log-softmax are never materialised (nor saved for the
+backward); the backward recomputes the logits chunk by chunk and takes any per-token upstream gradient
+(advantages, masks, importance ratios). ``z = post * tanh(pre * logits)`` maps onto the op's
+``softcap(logits) / temperature`` with ``softcap = 1 / pre`` and ``temperature = 1 / (pre * post)``.
+
+Not fused (reason in the fusion report): a log-softmax with other users (the full distribution is needed), a
+gather over another dim or with more than one index per row, a logit chain with anything but the ops above, a
+non-positive temperature. TRL's own helpers (``selective_log_softmax``'s per-row loops, its Triton kernel on CUDA)
+are different graphs: see the README for putting a trainer's log-prob computation into a compiled region.
+"""
+from __future__ import annotations
+
+import operator
+from typing import List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
+from fxfuse.graph_utils import arg, copy_node_meta, known_true, node_val, numel_hint, op_kind
+from fxfuse.registry import register_pass
+
+from ._logit_chain import LogitChain, match_logit_chain
+
+NAME = "linear_log_probs"
+
+
+def _is_last_dim(n: fx.Node, dim) -> bool:
+    v = node_val(arg(n, "input"))
+    return isinstance(v, torch.Tensor) and dim in (-1, v.dim() - 1)
+
+
+def _gather_index(g: fx.Node) -> Tuple[Optional[fx.Node], Optional[fx.Node], str]:
+    """(index [...], squeeze node or None, why) for ``lp.gather(-1, index[..., None])[.squeeze(-1)]``."""
+    if not _is_last_dim(g, arg(g, "dim")):
+        return None, None, "gather not over the last dim"
+    idx = arg(g, "index")
+    iv, gv = node_val(idx), node_val(g)
+    if not isinstance(iv, torch.Tensor) or not isinstance(gv, torch.Tensor) or iv.dim() < 1:
+        return None, None, "gather index has no fake value"
+    if not known_true(iv.shape[-1] == 1):
+        return None, None, "more than one index per row (top-k gathers are not fused)"
+    squeeze = None
+    users = list(g.users)
+    if len(users) == 1 and op_kind(users[0]) == "squeeze" and arg(users[0], "dim") in (-1, gv.dim() - 1):
+        squeeze = users[0]
+    return idx, squeeze, ""
+
+
+def _entropy_site(lp: fx.Node, z: fx.Node, user: fx.Node) -> Optional[List[fx.Node]]:
+    """``user`` (a consumer of lp) starts ``-(exp(lp) * lp).sum(-1)`` or ``-(softmax(z) * lp).sum(-1)``: the
+    nodes [exp|softmax, mul, sum, neg], else None."""
+    if op_kind(user) != "mul":
+        return None
+    a, b = arg(user, "input"), arg(user, "other")
+    p = b if a is lp else (a if b is lp else None)
+    if not isinstance(p, fx.Node):
+        return None
+    is_exp = op_kind(p) == "exp" and arg(p, "input") is lp
+    is_softmax = op_kind(p) == "softmax" and arg(p, "input") is z and _is_last_dim(p, arg(p, "dim"))
+    if not (is_exp or is_softmax) or len(user.users) != 1 or len(p.users) != 1:
+        return None
+    s = next(iter(user.users))
+    if op_kind(s) != "sum" or not _is_last_dim(s, arg(s, "dim")) or arg(s, "keepdim", False) or len(s.users) != 1:
+        return None
+    neg = next(iter(s.users))
+    if op_kind(neg) != "neg":
+        return None
+    return [p, user, s, neg]  # in dependency order (erased in reverse)
+
+
+def _op_scalars(chain: LogitChain) -> Tuple[Optional[Tuple[float, float]], str]:
+    """(temperature, softcap) of the op for the chain's ``post * tanh(pre * x)`` or ``scale * x``."""
+    if chain.tanh:
+        pre, post = chain.pre_scale, chain.post_scale
+        if not (pre > 0 and post > 0):
+            return None, "softcap chain with a non-positive scale"
+        return (1.0 / (pre * post), 1.0 / pre), ""
+    if not chain.scale > 0:
+        return None, f"non-positive logit scale {chain.scale:g}"
+    return (1.0 / chain.scale, 0.0), ""
+
+
+def _rewrite_site(gm: fx.GraphModule, lp: fx.Node, ctx) -> bool:
+    g = gm.graph
+    if not _is_last_dim(lp, arg(lp, "dim")):
+        ctx.skipped(lp, "log_softmax", "log_softmax not over the last dim")
+        return False
+    z = arg(lp, "input")
+    gathers = [u for u in lp.users if op_kind(u) == "gather" and arg(u, "input") is lp]
+    entropy = None
+    others = [u for u in lp.users if u not in gathers]
+    for u in others:
+        entropy = entropy or _entropy_site(lp, z, u)
+    # lp's users must be exactly one gather plus (optionally) the entropy's mul and exp
+    if len(gathers) != 1 or (others and (entropy is None or not set(others) <= set(entropy))):
+        if gathers or others:
+            ctx.skipped(lp, "log_softmax", "the log-softmax has other users than one gather (and an entropy): "
+                                           "the full distribution is needed")
+        return False
+    gnode = gathers[0]
+    idx, squeeze, why = _gather_index(gnode)
+    if idx is None:
+        ctx.skipped(lp, "log_softmax + gather", why)
+        return False
+    chain, why = match_logit_chain(z)
+    if chain is None:
+        ctx.skipped(lp, "log_softmax + gather", f"no lm-head projection feeds it: {why}")
+        return False
+    if chain.weight_transposed:
+        ctx.skipped(lp, "log_softmax + gather", "projection by a [D, V] matrix (not an lm-head weight)")
+        return False
+    scal, why = _op_scalars(chain)
+    if scal is None:
+        ctx.skipped(lp, "log_softmax + gather", why)
+        return False
+    temperature, softcap = scal
+    hv, wv, zv = node_val(chain.hidden), node_val(chain.weight), node_val(z)
+    if hv.dtype != wv.dtype or hv.device != wv.device:
+        ctx.skipped(lp, "log_softmax + gather", "hidden and weight dtypes or devices differ")
+        return False
+
+    # One insertion point for the op and everything that reads it: the first of the replaced nodes, which must come
+    # after every input of the op (the graph stays topologically sorted).
+    order = {n: i for i, n in enumerate(g.nodes)}
+    replaced = [gnode] + (entropy or [])
+    first = min(replaced, key=order.__getitem__)
+    inputs = [chain.hidden, chain.weight, idx] + ([chain.bias] if chain.bias is not None else [])
+    if any(order[i] >= order[first] for i in inputs if isinstance(i, fx.Node)):
+        ctx.skipped(lp, "log_softmax + gather", "the gather index is computed after the entropy")
+        return False
+    with g.inserting_before(first):
+        h = chain.hidden
+        for ri in chain.row_index:
+            h = g.call_function(operator.getitem, (h, ri))
+        index = g.call_method("squeeze", (idx, -1))
+        fused = g.call_function(torch.ops.fxfuse.linear_log_probs.default,
+                                (h, chain.weight, index, chain.bias, float(temperature), float(softcap),
+                                 entropy is not None))
+        copy_node_meta(fused, gnode)
+        logp = g.call_function(operator.getitem, (fused, 0))
+        target = squeeze if squeeze is not None else gnode
+        logp = g.call_method("view_as", (logp, index if squeeze is not None else idx))
+        out_dt = node_val(target).dtype
+        if out_dt != torch.float32:
+            logp = g.call_method("to", (logp, out_dt))
+        if entropy is not None:
+            neg = entropy[-1]
+            ent = g.call_function(operator.getitem, (fused, 1))
+            ent = g.call_method("view_as", (ent, index))
+            if node_val(neg).dtype != torch.float32:
+                ent = g.call_method("to", (ent, node_val(neg).dtype))
+    target.replace_all_uses_with(logp)
+    if squeeze is not None:
+        g.erase_node(squeeze)
+    g.erase_node(gnode)
+    if entropy is not None:
+        neg.replace_all_uses_with(ent)
+        for n in reversed(entropy):
+            g.erase_node(n)
+    g.erase_node(lp)
+    dead = []
+    for n in reversed(chain.nodes):
+        if n.graph is g and not n.users:
+            dead.append(n)
+            g.erase_node(n)
+    saved = 0
+    for n in dead + [lp]:
+        v = node_val(n)
+        if isinstance(v, torch.Tensor) and op_kind(n) not in ("view", "reshape", "getitem", "squeeze", "unsqueeze"):
+            saved += 2 * numel_hint(v) * v.element_size()
+    still = [n.name for n in chain.nodes if n.graph is g and n in g.nodes]
+    op = (f"log_softmax + gather{' + entropy' if entropy is not None else ''} <- {op_kind(chain.projection)} "
+          f"(temperature {temperature:g}{', softcap ' + format(softcap, 'g') if softcap else ''})")
+    ctx.fused(fused, op, saved_bytes=saved, temperature=temperature, softcap=softcap, entropy=entropy is not None,
+              tokens_x_vocab=numel_hint(zv), logits_still_materialised=still)
+    return True
+
+
+@register_pass(name=NAME, order=110,
+               description="lm-head projection -> log_softmax -> gather (+ entropy) -> fxfuse::linear_log_probs")
+def linear_log_probs_pass(gm: fx.GraphModule, ctx) -> int:
+    count = 0
+    for mod in ctx.graph_modules(gm):
+        changed = 0
+        for node in list(mod.graph.nodes):
+            if node.graph is mod.graph and node in mod.graph.nodes and op_kind(node) == "log_softmax":
+                if _rewrite_site(mod, node, ctx):
+                    changed += 1
+        if changed:
+            mod.recompile()
+        count += changed
+    return count
