@@ -226,7 +226,7 @@ def tune(sweep_launch=False):
     """The two dropout kernels alone: mask-generation variants (Philox rounds, word expansion) at the q_proj and the
     e2e (Llama-3.2-1B, 4x2048) shapes, and optionally a launch-setting sweep at the q_proj shape."""
     r = 16
-    shapes = [(16384, 4096), (8192, 2048)] if not SMOKE else [(256, 64)]
+    shapes = [(16384, 4096), (8192, 2048), (8192, 8192)] if not SMOKE else [(256, 64)]
     default_mask = dict(K.MASK_CONFIG)
     for N, din in shapes:
         x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
@@ -234,7 +234,7 @@ def tune(sweep_launch=False):
         V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
         gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
         C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
-        gA = torch.empty(r, din, device=DEV, dtype=torch.bfloat16)
+        gA = torch.zeros(r, din, device=DEV, dtype=torch.float32)
         seed = K.draw_seeds(1, DEV)
         with torch.no_grad():
             ms_mm, _ = bench(lambda: x @ A.t())
@@ -242,7 +242,7 @@ def tune(sweep_launch=False):
         for rounds, expand in ((10, 0), (10, 1), (7, 0), (7, 1)):
             K.MASK_CONFIG = dict(ROUNDS=rounds, EXPAND=expand)
             for what, fn in (("down", lambda: K._down_dropout(x, A, V, seed, 0.05)),
-                             ("up_bwd both", lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, True, False, True))):
+                             ("up_bwd both", lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, True, False))):
                 try:
                     ms, _ = bench(fn)
                     emit(section="lora_tune", shape=[N, din], kernel=what, mask=K.MASK_CONFIG, ms=round(ms, 4))
@@ -252,26 +252,25 @@ def tune(sweep_launch=False):
         K.MASK_CONFIG = dict(default_mask)
     if not sweep_launch:
         return
-    N, din = shapes[0]
-    x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
-    A = torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02
-    V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
-    gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
-    C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
-    gA = torch.empty(r, din, device=DEV, dtype=torch.bfloat16)
-    seed = K.draw_seeds(1, DEV)
     default_down, default_up = dict(K.DOWN_CONFIG), dict(K.UP_BWD_CONFIG)
-    for BM, BK, nw, ns in ((64, 64, 4, 3), (32, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3),
-                           (32, 128, 4, 4), (128, 128, 8, 3), (64, 256, 8, 2)):
-        K.DOWN_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
-        ms, _ = bench(lambda: K._down_dropout(x, A, V, seed, 0.05))
-        emit(section="lora_tune", kernel="down", cfg=K.DOWN_CONFIG, ms=round(ms, 4))
-    for BM, BK, nw, ns in ((64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2),
-                           (64, 256, 8, 2), (32, 256, 8, 2), (64, 128, 4, 3)):
-        K.UP_BWD_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
-        for what, wc, wa in (("both", True, True), ("gx only", True, False), ("gA only", False, True)):
-            ms, _ = bench(lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, wc, False, wa))
-            emit(section="lora_tune", kernel=f"up_bwd {what}", cfg=K.UP_BWD_CONFIG, ms=round(ms, 4))
+    for N, din in shapes:
+        x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
+        A = torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02
+        V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
+        gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
+        C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
+        gA = torch.zeros(r, din, device=DEV, dtype=torch.float32)
+        seed = K.draw_seeds(1, DEV)
+        for BM, BK, nw, ns in ((32, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3),
+                               (64, 128, 4, 3), (32, 128, 8, 4)):
+            K.DOWN_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
+            ms, _ = bench(lambda: K._down_dropout(x, A, V, seed, 0.05))
+            emit(section="lora_tune", shape=[N, din], kernel="down", cfg=K.DOWN_CONFIG, ms=round(ms, 4))
+        for BM, BK, nw, ns in ((64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 3),
+                               (64, 256, 8, 3), (64, 128, 8, 3), (128, 64, 4, 3)):
+            K.UP_BWD_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
+            ms, _ = bench(lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, True, False))
+            emit(section="lora_tune", shape=[N, din], kernel="up_bwd both", cfg=K.UP_BWD_CONFIG, ms=round(ms, 4))
     K.DOWN_CONFIG, K.UP_BWD_CONFIG = default_down, default_up
 
 

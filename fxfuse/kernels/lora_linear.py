@@ -49,7 +49,7 @@ FORCE_TRITON = os.environ.get("FXFUSE_LORA_FORCE_TRITON", "0") == "1"
 #: Launch settings of the dropout kernels (tile rows BM, tile columns BK (a multiple of 8), warps, stages);
 #: measured choices in benchmarks/lora_notes.md.
 DOWN_CONFIG = dict(BM=32, BK=128, num_warps=4, num_stages=4)
-UP_BWD_CONFIG = dict(BM=64, BK=128, num_warps=4, num_stages=3)
+UP_BWD_CONFIG = dict(BM=32, BK=128, num_warps=4, num_stages=3)
 #: Dropout mask generation: Philox rounds (10 = cuRAND's and Triton's default) and the word -> tile expansion.
 MASK_CONFIG = dict(ROUNDS=10, EXPAND=0)
 #: CPU path: rows per dropout-mask block (each block has its own generator state, so any block regenerates alone).
