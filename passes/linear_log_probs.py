@@ -7,6 +7,7 @@ projection, label-shift slices, casts, ``/ temperature``, an optional softcap)::
     logp = lp.gather(-1, index[..., None])[.squeeze(-1)]    # the chosen tokens' log-probabilities
     ent  = -(lp.exp() * lp).sum(-1)                     # optional, on the same lp: the entropy
            -(softmax(z, -1) * lp).sum(-1)
+    logp = z.gather(-1, index[..., None]).squeeze(-1) - logsumexp(z, -1)     # the same log-probs, spelled out
 
 become one ``fxfuse::linear_log_probs(hidden, weight, index, bias, temperature, softcap, return_entropy)`` call:
 the [tokens x vocab] logits, their fp32 copy and the log-softmax are never materialised (nor saved for the
@@ -22,6 +23,7 @@ are different graphs: see the README for putting a trainer's log-prob computatio
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -92,11 +94,22 @@ def _op_scalars(chain: LogitChain) -> Tuple[Optional[Tuple[float, float]], str]:
     return (1.0 / chain.scale, 0.0), ""
 
 
-def _rewrite_site(gm: fx.GraphModule, lp: fx.Node, ctx) -> bool:
-    g = gm.graph
+@dataclass
+class _Site:
+    anchor: fx.Node                   # the node reports point at
+    z: fx.Node                        # the logits the log-softmax reads
+    chain: LogitChain
+    idx: fx.Node                      # the gather index, [..., 1]
+    logp_out: fx.Node                 # replaced by the op's log-probs
+    logp_keepdim: bool                # logp_out is [..., 1] (else [...])
+    erase: List[fx.Node]              # replaced nodes, erased in this order
+    entropy_out: Optional[fx.Node] = None
+
+
+def _match_log_softmax(lp: fx.Node) -> Tuple[Optional[_Site], str]:
+    """``lp = log_softmax(z, -1)``; ``lp.gather(-1, idx)[.squeeze(-1)]`` (+ an entropy on lp)."""
     if not _is_last_dim(lp, arg(lp, "dim")):
-        ctx.skipped(lp, "log_softmax", "log_softmax not over the last dim")
-        return False
+        return None, "log_softmax not over the last dim"
     z = arg(lp, "input")
     gathers = [u for u in lp.users if op_kind(u) == "gather" and arg(u, "input") is lp]
     entropy = None
@@ -106,85 +119,107 @@ def _rewrite_site(gm: fx.GraphModule, lp: fx.Node, ctx) -> bool:
     # lp's users must be exactly one gather plus (optionally) the entropy's mul and exp
     if len(gathers) != 1 or (others and (entropy is None or not set(others) <= set(entropy))):
         if gathers or others:
-            ctx.skipped(lp, "log_softmax", "the log-softmax has other users than one gather (and an entropy): "
-                                           "the full distribution is needed")
-        return False
+            return None, "the log-softmax has other users than one gather (and an entropy): the full distribution " \
+                         "is needed"
+        return None, ""
     gnode = gathers[0]
     idx, squeeze, why = _gather_index(gnode)
     if idx is None:
-        ctx.skipped(lp, "log_softmax + gather", why)
-        return False
-    chain, why = match_logit_chain(z)
+        return None, why
+    out = squeeze if squeeze is not None else gnode
+    erase = ([squeeze] if squeeze is not None else []) + [gnode] + (entropy[::-1] if entropy else []) + [lp]
+    return _Site(lp, z, None, idx, out, squeeze is None, erase, entropy[-1] if entropy else None), ""
+
+
+def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
+    """``z.gather(-1, idx)[.squeeze(-1)] - logsumexp(z, -1[, keepdim])`` (log_softmax(x_i) = x_i - lse(x))."""
+    a, b = arg(sub, "input"), arg(sub, "other")
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or op_kind(b) != "logsumexp":
+        return None, ""
+    squeeze = a if op_kind(a) == "squeeze" else None
+    gnode = arg(a, "input") if squeeze is not None else a
+    if op_kind(gnode) != "gather":
+        return None, ""
+    z = arg(b, "input")
+    if arg(gnode, "input") is not z or not _is_last_dim(b, arg(b, "dim")):
+        return None, "selected logits minus a logsumexp of other logits / over another dim"
+    keepdim = bool(arg(b, "keepdim", False))
+    if keepdim == (squeeze is not None):
+        return None, "selected logits and logsumexp shapes do not line up"
+    if any(len(n.users) != 1 for n in (a, b) + ((gnode,) if squeeze is not None else ())):
+        return None, "the selected logits or the logsumexp have other users"
+    idx, _, why = _gather_index(gnode)
+    if idx is None:
+        return None, why
+    erase = [sub] + ([squeeze] if squeeze is not None else []) + [gnode, b]
+    return _Site(sub, z, None, idx, sub, keepdim, erase), ""
+
+
+def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
+    g = gm.graph
+    what = "log_softmax + gather" if op_kind(site.anchor) == "log_softmax" else "selected logit - logsumexp"
+    chain, why = match_logit_chain(site.z)
     if chain is None:
-        ctx.skipped(lp, "log_softmax + gather", f"no lm-head projection feeds it: {why}")
+        ctx.skipped(site.anchor, what, f"no lm-head projection feeds it: {why}")
         return False
     if chain.weight_transposed:
-        ctx.skipped(lp, "log_softmax + gather", "projection by a [D, V] matrix (not an lm-head weight)")
+        ctx.skipped(site.anchor, what, "projection by a [D, V] matrix (not an lm-head weight)")
         return False
     scal, why = _op_scalars(chain)
     if scal is None:
-        ctx.skipped(lp, "log_softmax + gather", why)
+        ctx.skipped(site.anchor, what, why)
         return False
     temperature, softcap = scal
-    hv, wv, zv = node_val(chain.hidden), node_val(chain.weight), node_val(z)
+    hv, wv = node_val(chain.hidden), node_val(chain.weight)
     if hv.dtype != wv.dtype or hv.device != wv.device:
-        ctx.skipped(lp, "log_softmax + gather", "hidden and weight dtypes or devices differ")
+        ctx.skipped(site.anchor, what, "hidden and weight dtypes or devices differ")
         return False
-
-    # One insertion point for the op and everything that reads it: the first of the replaced nodes, which must come
-    # after every input of the op (the graph stays topologically sorted).
+    # One insertion point for the op and everything that reads it: the first of the outputs it replaces (their
+    # users all come later), which must come after every input of the op (the graph stays topologically sorted).
     order = {n: i for i, n in enumerate(g.nodes)}
-    replaced = [gnode] + (entropy or [])
-    first = min(replaced, key=order.__getitem__)
-    inputs = [chain.hidden, chain.weight, idx] + ([chain.bias] if chain.bias is not None else [])
+    first = min([site.logp_out] + ([site.entropy_out] if site.entropy_out is not None else []),
+                key=order.__getitem__)
+    inputs = [chain.hidden, chain.weight, site.idx] + ([chain.bias] if chain.bias is not None else [])
     if any(order[i] >= order[first] for i in inputs if isinstance(i, fx.Node)):
-        ctx.skipped(lp, "log_softmax + gather", "the gather index is computed after the entropy")
+        ctx.skipped(site.anchor, what, "the gather index is computed after the outputs it would replace")
         return False
+    entropy = site.entropy_out is not None
     with g.inserting_before(first):
         h = chain.hidden
         for ri in chain.row_index:
             h = g.call_function(operator.getitem, (h, ri))
-        index = g.call_method("squeeze", (idx, -1))
+        index = g.call_method("squeeze", (site.idx, -1))
         fused = g.call_function(torch.ops.fxfuse.linear_log_probs.default,
-                                (h, chain.weight, index, chain.bias, float(temperature), float(softcap),
-                                 entropy is not None))
-        copy_node_meta(fused, gnode)
-        logp = g.call_function(operator.getitem, (fused, 0))
-        target = squeeze if squeeze is not None else gnode
-        logp = g.call_method("view_as", (logp, index if squeeze is not None else idx))
-        out_dt = node_val(target).dtype
-        if out_dt != torch.float32:
-            logp = g.call_method("to", (logp, out_dt))
-        if entropy is not None:
-            neg = entropy[-1]
-            ent = g.call_function(operator.getitem, (fused, 1))
-            ent = g.call_method("view_as", (ent, index))
-            if node_val(neg).dtype != torch.float32:
-                ent = g.call_method("to", (ent, node_val(neg).dtype))
-    target.replace_all_uses_with(logp)
-    if squeeze is not None:
-        g.erase_node(squeeze)
-    g.erase_node(gnode)
-    if entropy is not None:
-        neg.replace_all_uses_with(ent)
-        for n in reversed(entropy):
-            g.erase_node(n)
-    g.erase_node(lp)
+                                (h, chain.weight, index, chain.bias, float(temperature), float(softcap), entropy))
+        copy_node_meta(fused, site.anchor)
+        outs = [(site.logp_out, 0, site.idx if site.logp_keepdim else index)]
+        if entropy:
+            outs.append((site.entropy_out, 1, index))
+        repl = []
+        for old, i, like in outs:
+            new = g.call_method("view_as", (g.call_function(operator.getitem, (fused, i)), like))
+            if node_val(old).dtype != torch.float32:
+                new = g.call_method("to", (new, node_val(old).dtype))
+            repl.append((old, new))
+    for old, new in repl:
+        old.replace_all_uses_with(new)
+    for n in site.erase:
+        g.erase_node(n)
     dead = []
     for n in reversed(chain.nodes):
         if n.graph is g and not n.users:
             dead.append(n)
             g.erase_node(n)
     saved = 0
-    for n in dead + [lp]:
+    for n in dead + [x for x in site.erase if op_kind(x) in ("log_softmax", "logsumexp", "exp", "softmax", "mul")]:
         v = node_val(n)
         if isinstance(v, torch.Tensor) and op_kind(n) not in ("view", "reshape", "getitem", "squeeze", "unsqueeze"):
             saved += 2 * numel_hint(v) * v.element_size()
     still = [n.name for n in chain.nodes if n.graph is g and n in g.nodes]
-    op = (f"log_softmax + gather{' + entropy' if entropy is not None else ''} <- {op_kind(chain.projection)} "
+    op = (f"{what}{' + entropy' if entropy else ''} <- {op_kind(chain.projection)} "
           f"(temperature {temperature:g}{', softcap ' + format(softcap, 'g') if softcap else ''})")
-    ctx.fused(fused, op, saved_bytes=saved, temperature=temperature, softcap=softcap, entropy=entropy is not None,
-              tokens_x_vocab=numel_hint(zv), logits_still_materialised=still)
+    ctx.fused(fused, op, saved_bytes=saved, temperature=temperature, softcap=softcap, entropy=entropy,
+              tokens_x_vocab=numel_hint(node_val(site.z)), logits_still_materialised=still)
     return True
 
 
@@ -195,9 +230,19 @@ def linear_log_probs_pass(gm: fx.GraphModule, ctx) -> int:
     for mod in ctx.graph_modules(gm):
         changed = 0
         for node in list(mod.graph.nodes):
-            if node.graph is mod.graph and node in mod.graph.nodes and op_kind(node) == "log_softmax":
-                if _rewrite_site(mod, node, ctx):
-                    changed += 1
+            if node.graph is not mod.graph or node not in mod.graph.nodes:
+                continue  # erased by an earlier site
+            kind = op_kind(node)
+            if kind not in ("log_softmax", "sub"):
+                continue
+            site, why = (_match_log_softmax if kind == "log_softmax" else _match_selected_minus_lse)(node)
+            if site is None:
+                if why:
+                    ctx.skipped(node, "log_softmax + gather" if kind == "log_softmax" else
+                                "selected logit - logsumexp", why)
+                continue
+            if _rewrite(mod, site, ctx):
+                changed += 1
         if changed:
             mod.recompile()
         count += changed

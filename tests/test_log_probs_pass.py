@@ -58,6 +58,10 @@ FORMS = {
         -1, y[:, 1:].unsqueeze(-1)).squeeze(-1),
     "softcap_T": lambda h, W, y: F.log_softmax(torch.tanh(F.linear(h, W) / 30.0) * 30.0 / 1.3, -1).gather(
         -1, y.unsqueeze(-1)).squeeze(-1),
+    "selected_minus_lse": lambda h, W, y: (lambda z: z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+        z, dim=-1))(F.linear(h, W).float() / 0.7),
+    "selected_minus_lse_keepdim": lambda h, W, y: (lambda z: z.gather(-1, y[:, 1:, None]) - z.logsumexp(
+        -1, keepdim=True))(F.linear(h, W)[:, :-1]),
     "entropy_exp": lambda h, W, y: (lambda lp: (lp.gather(-1, y.unsqueeze(-1)).squeeze(-1),
                                                 -(lp.exp() * lp).sum(-1)))(F.log_softmax(F.linear(h, W), -1)),
     "entropy_softmax": lambda h, W, y: (lambda z: (lambda lp: (lp.gather(-1, y.unsqueeze(-1)).squeeze(-1),
