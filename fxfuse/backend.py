@@ -138,14 +138,15 @@ def _propagate_tracking(gm, example_inputs, fake_mode, tracker: _TrackingProp):
     ft_log = logging.getLogger("torch._subclasses.fake_tensor")
     old = ft_log.level
     ft_log.setLevel(logging.CRITICAL)
+    from .validation import _propagate_subgraphs, preserved_autocast_state
+
     try:
-        Prop(gm, mode=fake_mode).propagate(*example_inputs)
+        with preserved_autocast_state():
+            Prop(gm, mode=fake_mode).propagate(*example_inputs)
+            tracker.node = None
+            _propagate_subgraphs(gm, fake_mode)
     finally:
         ft_log.setLevel(old)
-    tracker.node = None
-    from .validation import _propagate_subgraphs
-
-    _propagate_subgraphs(gm, fake_mode)
 
 
 def _describe_node(n: fx.Node) -> str:

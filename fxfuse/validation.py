@@ -8,6 +8,8 @@ its inputs), is rolled back to the exact graph it started from.
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -69,10 +71,46 @@ class OutputSig:
                 f"stride ({', '.join(map(str, self.stride))})")
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def preserved_autocast_state():
+    """Run a graph's nodes (fake propagation) without leaving autocast changed behind.
+
+    Dynamo graphs of code under ``torch.autocast`` hold ``_enter_autocast`` / ``_exit_autocast`` calls, and
+    propagating the graph executes them for real. When propagation stops in between (a rewrite that fails
+    validation inside an autocast region), the exit never runs: autocast stays on and its nesting counter stays
+    raised, and with the counter above 0 autocast never clears its cache of down-cast weights, so later *eager*
+    autocast steps silently reuse stale weight copies after the optimizer updated them. Seen with TRL ORPO
+    (bf16 autocast on CPU): the next trainer's losses changed from its second step on.
+    """
+    nesting = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    saved = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES}
+    cache = torch.is_autocast_cache_enabled()
+    try:
+        yield
+    finally:
+        now = torch.autocast_increment_nesting() - 1
+        torch.autocast_decrement_nesting()
+        while now > nesting:
+            now = torch.autocast_decrement_nesting()
+        while now < nesting:
+            now = torch.autocast_increment_nesting()
+        for d, (on, dt) in saved.items():
+            torch.set_autocast_enabled(d, on)
+            torch.set_autocast_dtype(d, dt)
+        torch.set_autocast_cache_enabled(cache)
+        if nesting == 0:
+            torch.clear_autocast_cache()
+
+
 def fake_propagate(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) -> None:
     """Fill ``meta['val']`` on every node of ``gm`` and of the subgraphs it calls, under ``fake_mode``."""
-    FakeTensorProp(gm, mode=fake_mode).propagate(*example_inputs)
-    _propagate_subgraphs(gm, fake_mode)
+    with preserved_autocast_state():
+        FakeTensorProp(gm, mode=fake_mode).propagate(*example_inputs)
+        _propagate_subgraphs(gm, fake_mode)
 
 
 def _propagate_subgraphs(gm: fx.GraphModule, fake_mode) -> None:

@@ -29,6 +29,19 @@ def _fresh_dynamo():
     fxfuse.clear_reports()
     yield
     torch._dynamo.reset()
+    _reset_accelerate_state()
+
+
+def _reset_accelerate_state():
+    """Trainers leave accelerate's process-wide singletons (AcceleratorState, GradientState) behind; reset them so
+    each test's trainer starts from a clean state."""
+    import sys
+
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def tiny_causal_lm(arch: str = "llama", **overrides):

@@ -130,3 +130,36 @@ def test_good_extra_pass_is_kept_and_counted(caplog):
         rep = _unchanged_result(relu_to_clamp)
     assert not rep.rolled_back and "relu_to_clamp" in rep.passes_run
     assert any("fxfuse graph" in r.getMessage() for r in caplog.records)
+
+
+def _autocast_nesting() -> int:
+    n = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return n
+
+
+def test_rollback_inside_autocast_leaves_autocast_state_alone():
+    """Validation runs the graph's _enter_autocast / _exit_autocast nodes; a rewrite that fails in between must not
+    leave autocast on or its nesting counter raised (a raised counter stops autocast from ever clearing its cache
+    of down-cast weights, so later eager bf16 steps would reuse stale weights)."""
+    net = Net()
+
+    def f(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = net(x)
+        return y.float().sum(-1)
+
+    x = torch.randn(4, 16)
+    before = (_autocast_nesting(), torch.is_autocast_enabled("cpu"))
+    got = torch.compile(f, backend="fxfuse", options={"extra_passes": [linear_to_matmul], **AOT})(x)
+    torch.testing.assert_close(got, f(x))
+    assert fxfuse.report().rolled_back
+    assert (_autocast_nesting(), torch.is_autocast_enabled("cpu")) == before
+    # and eager autocast still refreshes its weight cache between steps
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = net(x)
+    with torch.no_grad():
+        net.proj.weight.mul_(2.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = net(x)
+    assert not torch.allclose(a, b)
