@@ -161,3 +161,18 @@ def test_plain_linear_sum_is_not_lora():
     fxfuse.clear_reports()
     torch.testing.assert_close(torch.compile(f_tensor, backend="fxfuse", options=AOT)(x), f_tensor(x))
     assert not _lora_sites() and any("scaling" in r.reason for r in _skips())
+
+
+def test_gemma2_lora_with_attention_and_loss_fusions():
+    """All three fusions in one graph: PEFT LoRA on Gemma-2 (eager softcap attention, final logit softcap): LoRA
+    projections, softcap attention and the lm-head loss are fused, and loss and adapter gradients match eager."""
+    model = _peft_model("gemma2")
+    ids = torch.randint(0, 128, (2, 12))
+    ref_loss, ref = _step(model, model, ids)
+    loss, got = _step(model, torch.compile(model, backend="fxfuse", options=AOT), ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    passes = [r.pass_name for r in fxfuse.report().fused]
+    assert passes.count("lora_linear") == 14 and passes.count("softcap_attention") == 2, passes
+    assert passes.count("linear_cross_entropy") == 1, passes
