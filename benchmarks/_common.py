@@ -1,5 +1,7 @@
 """Measurement helpers shared by the GPU benchmark scripts: the same method as ../shared/anchors/anchors_gpu.py,
 so fxfuse rows compare with the anchor rows."""
+import json
+import os
 import time
 
 import torch
@@ -34,3 +36,15 @@ def rel(a, b):
     """Norm-relative error of ``a`` against ``b`` (in fp32), rounded for JSON."""
     a, b = a.float(), b.float()
     return float(f"{((a - b).norm() / b.norm().clamp_min(1e-30)).item():.2e}")
+
+
+def jsonl_emitter(filename):
+    """``emit(**row)``: print a result row and append it to $OUT/<filename> (the device returns $OUT)."""
+    out = os.environ.get("OUT", "/tmp")
+
+    def emit(**row):
+        with open(os.path.join(out, filename), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    return emit

@@ -9,20 +9,19 @@ timing and peak-memory method), for fxfuse variants the anchor script does not c
 Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...] [llama|gemma2] [B]
 (``eager`` and ``inductor`` are accepted too, for runs the anchor script does not cover.)
 """
-import json
 import os
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import jsonl_emitter  # noqa: E402
+
 OUT = os.environ.get("OUT", "/tmp")
 
 
-def emit(**row):
-    with open(os.path.join(OUT, "e2e_fxfuse.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+emit = jsonl_emitter("e2e_fxfuse.jsonl")
 
 
 def build(impl, shape="llama", B=None):

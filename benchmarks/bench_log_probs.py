@@ -10,7 +10,6 @@ Writes $OUT/bench_log_probs.jsonl. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import bench, rel  # noqa: E402
+from _common import bench, jsonl_emitter, rel  # noqa: E402
 
 import fxfuse  # noqa: E402,F401
 from fxfuse.kernels import linear_log_probs as K  # noqa: E402
@@ -31,10 +30,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = DEV == "cpu"
 
 
-def emit(**row):
-    with open(os.path.join(OUT, "bench_log_probs.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+emit = jsonl_emitter("bench_log_probs.jsonl")
 
 
 def check():

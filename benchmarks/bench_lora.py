@@ -12,7 +12,6 @@ Writes $OUT/bench_lora.jsonl and prints rows. On CPU it runs a tiny smoke versio
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -23,7 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import bench, rel  # noqa: E402
+from _common import bench, jsonl_emitter, rel  # noqa: E402
 
 import fxfuse  # noqa: E402,F401
 from fxfuse.kernels import lora_linear as K  # noqa: E402
@@ -34,10 +33,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMOKE = DEV == "cpu"
 
 
-def emit(**row):
-    with open(os.path.join(OUT, "bench_lora.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+emit = jsonl_emitter("bench_lora.jsonl")
 
 
 def _rng_state():
@@ -222,6 +218,14 @@ def profile():
                 emit(section="lora_alt", what=name, error=f"{type(e).__name__}: {e}"[:300])
 
 
+def _dropout_kernel_inputs(N, din, r):
+    """x, A, V, gV, C, gA (fp32, as the backward accumulates it), seed for timing the two dropout kernels alone."""
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    return (torch.randn(N, din, **bf), torch.randn(r, din, **bf) * 0.02, torch.empty(N, r, **bf),
+            torch.randn(N, r, **bf), torch.empty(N, din, **bf),
+            torch.zeros(r, din, device=DEV, dtype=torch.float32), K.draw_seeds(1, DEV))
+
+
 def tune(sweep_launch=False):
     """The two dropout kernels alone: mask-generation variants (Philox rounds, word expansion) at the q_proj and the
     e2e (Llama-3.2-1B, 4x2048) shapes, and optionally a launch-setting sweep at the q_proj shape."""
@@ -229,13 +233,7 @@ def tune(sweep_launch=False):
     shapes = [(16384, 4096), (8192, 2048), (8192, 8192)] if not SMOKE else [(256, 64)]
     default_mask = dict(K.MASK_CONFIG)
     for N, din in shapes:
-        x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
-        A = torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02
-        V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
-        gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
-        C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
-        gA = torch.zeros(r, din, device=DEV, dtype=torch.float32)
-        seed = K.draw_seeds(1, DEV)
+        x, A, V, gV, C, gA, seed = _dropout_kernel_inputs(N, din, r)
         with torch.no_grad():
             ms_mm, _ = bench(lambda: x @ A.t())
         emit(section="lora_tune", shape=[N, din], kernel="cuBLAS x @ A.T (no dropout)", ms=round(ms_mm, 4))
@@ -254,13 +252,7 @@ def tune(sweep_launch=False):
         return
     default_down, default_up = dict(K.DOWN_CONFIG), dict(K.UP_BWD_CONFIG)
     for N, din in shapes:
-        x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16)
-        A = torch.randn(r, din, device=DEV, dtype=torch.bfloat16) * 0.02
-        V = torch.empty(N, r, device=DEV, dtype=torch.bfloat16)
-        gV = torch.randn(N, r, device=DEV, dtype=torch.bfloat16)
-        C = torch.empty(N, din, device=DEV, dtype=torch.bfloat16)
-        gA = torch.zeros(r, din, device=DEV, dtype=torch.float32)
-        seed = K.draw_seeds(1, DEV)
+        x, A, V, gV, C, gA, seed = _dropout_kernel_inputs(N, din, r)
         for BM, BK, nw, ns in ((32, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3),
                                (64, 128, 4, 3), (32, 128, 8, 4)):
             K.DOWN_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)

@@ -20,6 +20,22 @@ def load(paths):
     return rows
 
 
+def _e2e_panel(ax, e2e, title):
+    """Whole-model training throughput bars (fxfuse in red), labelled with tokens/s and peak memory."""
+    if not e2e:
+        return
+    names = [r["impl"] for r in e2e]
+    ax.bar(names, [r["tokens_per_s"] / 1e3 for r in e2e],
+           color=["tab:red" if "fxfuse" in n else "tab:blue" for n in names])
+    for i, r in enumerate(e2e):
+        ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k\n{r['peak_gib']:.1f} GiB",
+                ha="center", va="bottom", fontsize=7)
+    ax.set_title(title)
+    ax.set_ylabel("k tokens/s (higher is better)")
+    ax.tick_params(axis="x", rotation=25, labelsize=8)
+    ax.set_ylim(0, max(r["tokens_per_s"] for r in e2e) / 1e3 * 1.25)
+
+
 def plot(name, rows):
     import matplotlib
 
@@ -41,18 +57,7 @@ def plot(name, rows):
         ax.set_ylabel("ms (lower is better)")
         ax.tick_params(axis="x", rotation=30, labelsize=8)
         ax.set_ylim(0, max(ms) * 1.25)
-    ax = axes[2]
-    if e2e:
-        names = [r["impl"] for r in e2e]
-        ax.bar(names, [r["tokens_per_s"] / 1e3 for r in e2e],
-               color=["tab:red" if "fxfuse" in n else "tab:blue" for n in names])
-        for i, r in enumerate(e2e):
-            ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k\n{r['peak_gib']:.1f} GiB",
-                    ha="center", va="bottom", fontsize=7)
-        ax.set_title(f"{e2e[0]['shape']} full FT, 4x2048, AdamW bf16")
-        ax.set_ylabel("k tokens/s (higher is better)")
-        ax.tick_params(axis="x", rotation=30, labelsize=8)
-        ax.set_ylim(0, max(r["tokens_per_s"] for r in e2e) / 1e3 * 1.25)
+    _e2e_panel(axes[2], e2e, f"{e2e[0]['shape']} full FT, 4x2048, AdamW bf16" if e2e else "")
     fig.tight_layout()
     out = os.path.join(RESULTS, f"{name}.png")
     fig.savefig(out, dpi=110)
@@ -93,18 +98,7 @@ def plot_lora(name, rows):
     ax.set_ylim(0.9, 1.55)
     ax.set_title("LoRA r16 layer fwd+bwd, 16384 tokens bf16 (labels: ms, extra GiB)")
     ax.legend(fontsize=8)
-    ax = axes[1]
-    if e2e:
-        names = [r["impl"] for r in e2e]
-        ax.bar(names, [r["tokens_per_s"] / 1e3 for r in e2e],
-               color=["tab:red" if "fxfuse" in n else "tab:blue" for n in names])
-        for i, r in enumerate(e2e):
-            ax.text(i, r["tokens_per_s"] / 1e3, f"{r['tokens_per_s'] / 1e3:.1f}k\n{r['peak_gib']:.1f} GiB",
-                    ha="center", va="bottom", fontsize=7)
-        ax.set_title("Llama-3.2-1B shape, LoRA r16 all proj, 4x2048")
-        ax.set_ylabel("k tokens/s (higher is better)")
-        ax.tick_params(axis="x", rotation=20, labelsize=8)
-        ax.set_ylim(0, max(r["tokens_per_s"] for r in e2e) / 1e3 * 1.25)
+    _e2e_panel(axes[1], e2e, "Llama-3.2-1B shape, LoRA r16 all proj, 4x2048")
     fig.tight_layout()
     out = os.path.join(RESULTS, f"{name}.png")
     fig.savefig(out, dpi=110)

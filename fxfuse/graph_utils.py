@@ -19,7 +19,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "node_val", "op_kind", "arg", "graph_modules", "is_kind", "users_of", "size_hint", "numel_hint",
-    "SHAPE_ONLY_KINDS", "const_number", "known_true", "copy_node_meta",
+    "SHAPE_ONLY_KINDS", "const_number", "known_true", "copy_node_meta", "erase_unused",
 ]
 
 # canonical kind -> parameter names, in positional order (``input`` is ``self`` for method calls)
@@ -192,6 +192,22 @@ def copy_node_meta(dst: fx.Node, src: fx.Node) -> None:
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if src.meta.get(key) is not None:
             dst.meta[key] = src.meta[key]
+
+
+def erase_unused(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
+    """Erase the ops among ``nodes`` that have (transitively, within ``nodes``) no users left after a rewrite;
+    return the erased ones. Placeholders and attributes are never erased."""
+    erased, changed = [], True
+    pending = [n for n in nodes if n.graph is graph]
+    while changed:
+        changed = False
+        for n in list(reversed(pending)):
+            if not n.users and n.op in ("call_function", "call_method"):
+                graph.erase_node(n)
+                pending.remove(n)
+                erased.append(n)
+                changed = True
+    return erased
 
 
 def users_of(n: fx.Node) -> List[fx.Node]:

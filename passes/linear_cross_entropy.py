@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
-from fxfuse.graph_utils import arg, known_true, node_val, numel_hint, op_kind
+from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.lazy import LazyLogits, apply_recipe
 from fxfuse.registry import register_pass
 
@@ -102,17 +102,6 @@ def _check_shapes(chain: LogitChain, z: fx.Node, target: fx.Node) -> str:
     if hv.device != wv.device or hv.device != tv.device:
         return "operands on different devices"
     return ""
-
-
-def _erase_dead(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
-    """Erase the nodes of ``nodes`` (last first) that have no users left; return those still alive."""
-    alive = []
-    for n in reversed(nodes):
-        if n.graph is graph and not n.users:
-            graph.erase_node(n)
-        elif n.graph is graph:
-            alive.append(n)
-    return alive[::-1]
 
 
 _ELEMENTWISE = ("cast", "mul", "div", "tanh")
@@ -202,12 +191,14 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
     g.erase_node(node)
     if kind == "nll_loss":
         g.erase_node(loss_nodes[1])
-    still = _erase_dead(g, chain_nodes)
+    erased = erase_unused(g, chain_nodes)
+    still = [n for n in chain_nodes if n not in erased]
     lazy = []
     if still and ctx.pass_option("logits", "lazy") == "lazy":
         lazy = _substitute_returned_logits(gm, chain, still, ctx)
         if lazy:
-            still = _erase_dead(g, still)
+            erased += erase_unused(g, still)
+            still = [n for n in still if n not in erased]
 
     # What is no longer materialised: the chain's tensors that died (and their gradients in the backward) and
     # the softmax-sized buffer the loss saves for its backward.

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
-from fxfuse.graph_utils import arg, copy_node_meta, known_true, node_val, numel_hint, op_kind
+from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
 from ._logit_chain import LogitChain, match_logit_chain
@@ -205,17 +205,13 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
         old.replace_all_uses_with(new)
     for n in site.erase:
         g.erase_node(n)
-    dead = []
-    for n in reversed(chain.nodes):
-        if n.graph is g and not n.users:
-            dead.append(n)
-            g.erase_node(n)
+    dead = erase_unused(g, chain.nodes)
     saved = 0
     for n in dead + [x for x in site.erase if op_kind(x) in ("log_softmax", "logsumexp", "exp", "softmax", "mul")]:
         v = node_val(n)
         if isinstance(v, torch.Tensor) and op_kind(n) not in ("view", "reshape", "getitem", "squeeze", "unsqueeze"):
             saved += 2 * numel_hint(v) * v.element_size()
-    still = [n.name for n in chain.nodes if n.graph is g and n in g.nodes]
+    still = [n.name for n in chain.nodes if n not in dead]
     op = (f"{what}{' + entropy' if entropy else ''} <- {op_kind(chain.projection)} "
           f"(temperature {temperature:g}{', softcap ' + format(softcap, 'g') if softcap else ''})")
     ctx.fused(fused, op, saved_bytes=saved, temperature=temperature, softcap=softcap, entropy=entropy,

@@ -33,34 +33,17 @@ last dim, mismatched dtypes / devices, broadcast batches, head_dim > 256, and op
 from __future__ import annotations
 
 import operator
-from typing import List
-
 import torch
 import torch.fx as fx
 
 import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
-from fxfuse.graph_utils import copy_node_meta, node_val, numel_hint, op_kind
+from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
 from ._attention_match import AttentionSite, match_attention
 
 NAME = "softcap_attention"
 _VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
-
-
-def _erase_dead(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
-    """Erase the nodes of ``nodes`` that have (transitively) no users left; return the erased ones."""
-    erased, changed = [], True
-    pending = list(nodes)
-    while changed:
-        changed = False
-        for n in list(reversed(pending)):
-            if n.graph is graph and not n.users and n.op in ("call_function", "call_method"):
-                graph.erase_node(n)
-                pending.remove(n)
-                erased.append(n)
-                changed = True
-    return erased
 
 
 def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
@@ -103,7 +86,7 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                 continue
             score_numel = numel_hint(node_val(site.qk))
             node = _rewrite(mod, site, ctx)
-            erased = _erase_dead(g, site.nodes)
+            erased = erase_unused(g, site.nodes)
             # What is no longer materialised: every erased [B, Hq, S, Skv]-sized tensor (scores, their softcapped /
             # masked / fp32 / cast copies, the probabilities) and the repeated k / v, each once in the forward and
             # once as a saved activation or gradient in the backward.

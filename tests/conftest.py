@@ -73,6 +73,22 @@ def tiny_causal_lm(arch: str = "llama", **overrides):
     return cls(cfg)
 
 
+def fused_sites(pass_name, rep=None):
+    """The sites ``pass_name`` fused in ``rep`` (default: the latest fusion report)."""
+    import fxfuse
+
+    rep = rep or fxfuse.report()
+    return [r for r in rep.fused if r.pass_name == pass_name]
+
+
+def skipped_sites(pass_name, rep=None):
+    """The sites ``pass_name`` left to Inductor (with their reasons) in ``rep`` (default: the latest report)."""
+    import fxfuse
+
+    rep = rep or fxfuse.report()
+    return [r for r in rep.skipped if r.pass_name == pass_name]
+
+
 def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 import fxfuse
-from fxfuse.errors import FxFuseError
 
 from conftest import assert_grads_close, grads_of, tiny_causal_lm
 

@@ -6,8 +6,6 @@ Tiny ragged shapes (N, V multiples of nothing) so the whole file runs in well un
 """
 from __future__ import annotations
 
-import importlib
-import itertools
 import os
 
 import pytest

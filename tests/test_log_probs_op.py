@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fxfuse.errors import FxFuseContractError
 from fxfuse.kernels import linear_log_probs as K

@@ -8,19 +8,17 @@ import torch.nn.functional as F
 
 import fxfuse
 
-from conftest import tiny_causal_lm
+from conftest import fused_sites, skipped_sites, tiny_causal_lm
 
 AOT = {"compiler": "aot_eager"}
 
 
 def _sites(rep=None):
-    rep = rep or fxfuse.report()
-    return [r for r in rep.fused if r.pass_name == "linear_log_probs"]
+    return fused_sites("linear_log_probs", rep)
 
 
 def _skips(rep=None):
-    rep = rep or fxfuse.report()
-    return [r for r in rep.skipped if r.pass_name == "linear_log_probs"]
+    return skipped_sites("linear_log_probs", rep)
 
 
 def _compare(fn, *tensors, n_sites=1):

@@ -10,7 +10,7 @@ import torch
 
 import fxfuse
 
-from conftest import assert_grads_close, grads_of, tiny_causal_lm
+from conftest import fused_sites, grads_of, skipped_sites, tiny_causal_lm
 
 peft = pytest.importorskip("peft")
 
@@ -37,26 +37,32 @@ def _step(model, fn, ids):
     return out.loss.detach(), g
 
 
+def _assert_matches_eager(model, ids):
+    """One step eager and one compiled with fxfuse: same loss, same gradient for every trainable parameter.
+    Returns the eager gradients."""
+    ref_loss, ref = _step(model, model, ids)
+    loss, got = _step(model, torch.compile(model, backend="fxfuse", options=AOT), ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(got) == set(ref)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    return ref
+
+
 def _lora_sites(rep=None):
-    rep = rep or fxfuse.report()
-    return [r for r in rep.fused if r.pass_name == "lora_linear"]
+    return fused_sites("lora_linear", rep)
 
 
 def _skips(rep=None):
-    rep = rep or fxfuse.report()
-    return [r for r in rep.skipped if r.pass_name == "lora_linear"]
+    return skipped_sites("lora_linear", rep)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_whole_model_matches_eager(arch):
     model = _peft_model(arch)
     ids = torch.randint(0, 128, (2, 12))
-    ref_loss, ref = _step(model, model, ids)
-    loss, got = _step(model, torch.compile(model, backend="fxfuse", options=AOT), ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ref = _assert_matches_eager(model, ids)
     assert len(ref) == 2 * 7 * 2  # A and B of 7 projections x 2 layers; the base stays frozen
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
     sites = _lora_sites()
     assert len(sites) == 14, str(fxfuse.report())
     assert all("r 4, dropout 0" in s.op for s in sites)
@@ -119,11 +125,7 @@ def test_adapter_chain_and_refusals():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
     ids = torch.randint(0, 128, (2, 8))
-    ref_loss, ref = _step(model, model, ids)
-    loss, got = _step(model, torch.compile(model, backend="fxfuse", options=AOT), ids)
-    torch.testing.assert_close(loss, ref_loss)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    _assert_matches_eager(model, ids)
     ops = [s.op for s in _lora_sites()]
     assert ops.count("LoRA linear (2 adapters, r 4/2, dropout 0/0)") == 2, ops  # q_proj in both layers
     assert ops.count("LoRA linear (1 adapter, r 4, dropout 0)") == 2, ops       # v_proj: default only
@@ -135,11 +137,7 @@ def test_gradient_checkpointing_bodies():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(0, 128, (2, 12))
-    ref_loss, ref = _step(model, model, ids)
-    loss, got = _step(model, torch.compile(model, backend="fxfuse", options=AOT), ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    _assert_matches_eager(model, ids)
     # PEFT's input-requires-grad hook (enabled with checkpointing) breaks the graph: count over every graph
     n_sites = sum(len(_lora_sites(r)) for r in fxfuse.reports())
     assert n_sites == 14, [str(r) for r in fxfuse.reports()]
@@ -168,11 +166,7 @@ def test_gemma2_lora_with_attention_and_loss_fusions():
     projections, softcap attention and the lm-head loss are fused, and loss and adapter gradients match eager."""
     model = _peft_model("gemma2")
     ids = torch.randint(0, 128, (2, 12))
-    ref_loss, ref = _step(model, model, ids)
-    loss, got = _step(model, torch.compile(model, backend="fxfuse", options=AOT), ids)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for n in ref:
-        torch.testing.assert_close(got[n], ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    _assert_matches_eager(model, ids)
     passes = [r.pass_name for r in fxfuse.report().fused]
     assert passes.count("lora_linear") == 14 and passes.count("softcap_attention") == 2, passes
     assert passes.count("linear_cross_entropy") == 1, passes

@@ -12,17 +12,11 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
-import fxfuse
-
-from _trainer_utils import make_texts, make_tokenizer
+from _trainer_utils import assert_losses_unchanged, make_texts, make_tokenizer, train_args
 from conftest import tiny_causal_lm
 
-AOT = {"compiler": "aot_eager"}
-COMMON = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-3,
-              logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-              dataloader_num_workers=0)
+COMMON = train_args(max_steps=2)
 
 
 def _preference_data():
@@ -32,25 +26,8 @@ def _preference_data():
                               "rejected": make_texts(16, seed=5)})
 
 
-def _losses(make_trainer, use_fxfuse: bool):
-    trainer = make_trainer()
-    if use_fxfuse:
-        trainer.model.compile(backend="fxfuse", options=AOT)
-    trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
 def _assert_unchanged(make_trainer, allow_rollback=False):
-    ref = _losses(make_trainer, False)
-    torch._dynamo.reset()
-    fxfuse.clear_reports()
-    got = _losses(make_trainer, True)
-    assert len(ref) == 2 and got == pytest.approx(ref, rel=1e-5, abs=1e-6)
-    reps = fxfuse.reports()
-    assert reps, "nothing was compiled"
-    rolled = [s for r in reps for s in r.rolled_back]
-    assert allow_rollback or not rolled, [str(r) for r in reps]
-    assert all(s.reason for s in rolled)  # a rollback always says why
+    assert_losses_unchanged(make_trainer, n_steps=2, rel=1e-5, abs=1e-6, allow_rollback=allow_rollback)
 
 
 def test_dpo_trainer(tmp_path):

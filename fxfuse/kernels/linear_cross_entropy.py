@@ -33,22 +33,12 @@ the CI-testable twin of the kernel; the Triton kernel runs on CUDA, or on CPU un
 """
 from __future__ import annotations
 
-import math
 import os
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-try:  # Triton is optional: the CPU path needs none of it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - exercised only where triton is missing
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from ._triton import HAVE_TRITON, tl, triton
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

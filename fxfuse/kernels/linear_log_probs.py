@@ -42,15 +42,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, HAVE_TRITON, _chunk_loop, row_launch_config, rows_per_chunk
+from ._triton import HAVE_TRITON, tl, triton
+from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _chunk_loop, row_launch_config, rows_per_chunk
 
 if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-
     from .linear_cross_entropy import _tanh
-else:  # pragma: no cover
-    triton = tl = None
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

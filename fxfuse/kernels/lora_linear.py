@@ -32,15 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-try:  # Triton is optional: the CPU path needs none of it.
-    import triton
-    import triton.language as tl
-
-    HAVE_TRITON = True
-except Exception:  # pragma: no cover - exercised only where triton is missing
-    triton = None
-    tl = None
-    HAVE_TRITON = False
+from ._triton import HAVE_TRITON, tl, triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds"]
 

@@ -38,21 +38,12 @@ exp2 (``1 - 2 / (2^(2x·log2 e) + 1)``, exact limits +-1 at overflow), which the
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
 import torch
 
-try:  # Triton is optional: the CPU path below needs none.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except Exception:  # pragma: no cover - environment without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from ._triton import HAVE_TRITON, tl, triton
 
 __all__ = [
     "MASKED_BELOW",
@@ -313,7 +304,7 @@ def _config(kind: str, block_d: int, dtype, override=None):
     return DEFAULT_CONFIGS[key][kind]
 
 
-if HAS_TRITON:
+if HAVE_TRITON:
 
     @triton.jit
     def _tanh(x):

@@ -148,8 +148,9 @@ def _lora_linear_composite(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
     B = lora_b[0] if len(lora_b) == 1 else torch.cat(list(lora_b), 1)
     ranks = [int(a.shape[0]) for a in lora_a]
     ps = [float(p) for p in dropout_p]
+    # Without dropout no seed is read: an empty tensor costs no kernel launch on the hot path.
     seeds = (K.draw_seeds(len(ps), x.device) if any(p > 0 for p in ps)
-             else torch.zeros((len(ps),), dtype=torch.int64, device=x.device))
+             else torch.empty((0,), dtype=torch.int64, device=x.device))
     y, _V = torch.ops.fxfuse.lora_linear_fwd(x2, weight, bias, A, B, seeds, ranks, [float(s) for s in scaling], ps)
     return y.view(*x.shape[:-1], weight.shape[0])
 

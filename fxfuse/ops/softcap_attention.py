@@ -103,8 +103,8 @@ def _use_triton(t: Tensor) -> bool:
     if mode == "torch":
         return False
     if mode == "triton":
-        return _k.HAS_TRITON
-    return t.is_cuda and _k.HAS_TRITON
+        return _k.HAVE_TRITON
+    return t.is_cuda and _k.HAVE_TRITON
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
