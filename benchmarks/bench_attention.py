@@ -66,6 +66,10 @@ def sec_check():
         (1, 4, 2, 300, 300, 256, 50.0, True, 64, None, torch.float32),
         (1, 4, 2, 257, 257, 96, 50.0, True, 0, "additive", torch.float32),
         (1, 4, 4, 200, 333, 128, 50.0, True, 0, None, torch.bfloat16),
+        # mask tensors alone (what the graph pass hands over): block ranges from the mask
+        (2, 16, 8, 1000, 1000, 256, 50.0, False, 0, "hf-causal-padded", torch.bfloat16),
+        (1, 8, 4, 1500, 1500, 256, 50.0, False, 0, "hf-window-300-bool", torch.bfloat16),
+        (2, 4, 2, 333, 333, 128, 30.0, False, 0, "hf-causal-padded", torch.float32),
     ]
     for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases:
         g = torch.Generator(device=DEV).manual_seed(int(time.time() * 1e6) % 2**31)
@@ -82,6 +86,16 @@ def sec_check():
         elif mk == "bool":
             mask = torch.rand(B, Hq, S, Skv, device=DEV, generator=g) > 0.2
             mask[:, :, 3] = False
+        elif mk and mk.startswith("hf-"):  # HF-style [B, 1, S, S]: causal (+ window), key padding
+            qi, ki = torch.arange(S, device=DEV)[:, None], torch.arange(Skv, device=DEV)[None, :]
+            keep = ki <= qi
+            if "window" in mk:
+                keep = keep & (qi - ki < int(mk.split("-")[2]))
+            keep = keep[None, None].expand(B, 1, S, Skv).clone()
+            keep[0, :, :, :37] = False  # left padding (its first 37 query rows are fully masked)
+            keep[-1, :, :, Skv - 100:] = False  # right padding
+            mask = keep if mk.endswith("bool") else torch.zeros(B, 1, S, Skv, device=DEV, dtype=dt).masked_fill(
+                ~keep, torch.finfo(dt).min)
         sc = Dh ** -0.5
         qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
         ref = K.attention_reference(qd, kd, vd, mask, sc, cap, causal, win)
@@ -264,6 +278,7 @@ def sec_table():
         impls = {
             "fxfuse softcap_attention": lambda q, k, v: K_op(q, k, v, None, scale, cap, True, win or 0, cfg),
             "fxfuse (mask tensor, no index mask)": lambda q, k, v: K_op(q, k, v, fmask, scale, cap, False, 0, cfg),
+            "fxfuse (mask tensor, every block)": lambda q, k, v: K_op(q, k, v, fmask, scale, cap, False, 0, cfg),
             "eager (HF Gemma2 eager)": eager,
             "inductor(eager)": torch.compile(eager),
         }
@@ -283,8 +298,10 @@ def sec_table():
 
             def step():
                 q.grad = k.grad = v.grad = None
+                K.MASK_BLOCK_RANGES = "every block" not in iname  # the mask read in every block, as before
                 o = fn(q, k, v)
                 o.backward(do)
+                K.MASK_BLOCK_RANGES = True
                 return o
             try:
                 o = step()

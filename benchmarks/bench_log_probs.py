@@ -5,7 +5,10 @@ GRPO-style: ``z = (h @ W.T) / T``; per-token ``logp = log_softmax(z)[y]`` and ``
 per-token upstream gradients (advantages for logp, a coefficient for the entropy). Llama-3-8B head (D 4096,
 V 128256), 8 x 2048 completion tokens, bf16, T = 0.7.
 
-Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time]
+Section ``grpo``: the whole GRPO token loss (clipped ratio x advantage, completion mask) compiled by Inductor and
+by fxfuse next to Liger's fused GRPO loss.
+
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [grpo]
 Writes $OUT/bench_log_probs.jsonl. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
@@ -109,6 +112,58 @@ def time_grpo():
          peak_gib=round(mem, 3))
 
 
+def time_grpo_loss():
+    """The whole GRPO token loss (TRL's "dapo" form, beta 0, on-policy: ratio = exp(logp - logp.detach())),
+    B 8 x 2048 completion tokens with a completion mask, Llama-3-8B head, T 0.7: eager / Inductor / fxfuse
+    compile the same PyTorch function; Liger's LigerFusedLinearGRPOLoss (its own chunked kernel) side by side.
+    Gradients compared with eager's."""
+    B, L, D, V = (8, 2048, 4096, 128256) if not SMOKE else (2, 32, 32, 500)
+    T, eps = 0.7, 0.2
+    torch.manual_seed(0)
+    h = torch.randn(B, L, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    W = (torch.randn(V, D, device=DEV) / D ** 0.5).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, V, (B, L), device=DEV)
+    mask = (torch.arange(L, device=DEV)[None, :] < torch.randint(L // 2, L + 1, (B, 1), device=DEV)).float()
+    adv = torch.randn(B, device=DEV)
+
+    def grpo(h, W):
+        logits = F.linear(h, W).float() / T
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, y[..., None]).squeeze(-1)
+        ratio = torch.exp(logp - logp.detach())
+        a = adv[:, None]
+        per_tok = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps) * a)
+        return (per_tok * mask).sum() / mask.sum().clamp(min=1.0)
+
+    impls = {"eager": grpo, "inductor": torch.compile(grpo), "fxfuse (pass)": torch.compile(grpo, backend="fxfuse")}
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        lig = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", temperature=T,
+                                       epsilon_low=eps, epsilon_high=eps)
+        impls["liger GRPO loss 0.8.5"] = lambda h, W: lig(h, W, y, mask, adv)[0]
+    except Exception as e:  # not installed
+        emit(section="grpo", impl="liger GRPO loss", error=f"{type(e).__name__}: {e}"[:200])
+    ref = None
+    for name, fn in impls.items():
+        def step(fn=fn):
+            h.grad = None
+            W.grad = None
+            loss = fn(h, W)
+            loss.backward()
+            return loss
+        try:
+            loss = step()
+            if ref is None:
+                ref = (loss.detach().clone(), h.grad.clone(), W.grad.clone())
+            errs = dict(loss_rel=rel(loss, ref[0]), gh_rel=rel(h.grad, ref[1]), gW_rel=rel(W.grad, ref[2]))
+            ms, mem = bench(step)
+            emit(section="grpo", shape=f"llama3-8b head {B}x{L} dapo loss", impl=name, ms=round(ms, 3),
+                 peak_gib=round(mem, 3), **errs)
+        except Exception as e:
+            emit(section="grpo", impl=name, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+
+
 if __name__ == "__main__":
     secs = sys.argv[1:] or ["check", "time"]
     if DEV == "cuda":
@@ -119,3 +174,5 @@ if __name__ == "__main__":
         check()
     if "time" in secs:
         time_grpo()
+    if "grpo" in secs:
+        time_grpo_loss()

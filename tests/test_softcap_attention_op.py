@@ -49,6 +49,23 @@ def make_case(B, Hq, Hkv, S, Dh, dtype, mask_kind=None, Skv=None, dead_rows=(), 
     return q, k, v, do, mask
 
 
+def structured_mask(B, S, kind, *, window=0, pad_left=0, pad_right=0, dtype=torch.float32):
+    """HF-style [B, 1, S, S] mask: causal (+ sliding window), key padding on the left of batch 0 and on the
+    right of batch B-1; bool (True = keep) or additive (0 / finfo.min)."""
+    qi, ki = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    keep = ki <= qi
+    if window:
+        keep &= qi - ki < window
+    keep = keep[None, None].expand(B, 1, S, S).clone()
+    if pad_left:
+        keep[0, :, :, :pad_left] = False
+    if pad_right:
+        keep[-1, :, :, S - pad_right:] = False
+    if kind == "bool":
+        return keep
+    return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+
 def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, tol=None):
     fn = fn or softcap_attention
     out = fn(q, k, v, mask=mask, scaling=scaling, softcap=softcap, causal=causal, window=window)
@@ -153,6 +170,33 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
             res.append(["split", str(dt), S, Dh, "ok"])
         except AssertionError as e:
             res.append(["split", str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    # mask tensors alone (what the pass hands over): block ranges from the mask's tile classes
+    for B, Hq, Hkv, S, Dh, kind, win, pl, pr, dt in [
+        (1, 2, 1, 70, 64, "additive", 0, 0, 0, torch.float32),   # causal as a tensor
+        (2, 4, 2, 53, 64, "bool", 20, 0, 0, torch.float32),      # sliding window shorter than S
+        (2, 2, 1, 61, 32, "additive", 0, 9, 17, torch.float32),  # left padding in batch 0, right in batch 1
+        (2, 2, 2, 40, 64, "additive", 0, 0, 0, torch.bfloat16),
+    ]:
+        q, k, v, do, _ = T.make_case(B, Hq, Hkv, S, Dh, dt)
+        m = T.structured_mask(B, S, kind, window=win, pad_left=pl, pad_right=pr, dtype=dt)
+        try:
+            T.check(q, k, v, do, m, softcap=50.0, causal=False, window=0)
+            res.append(["ranges", kind, S, win, pl, pr, "ok"])
+        except AssertionError as e:
+            res.append(["ranges", kind, S, win, pl, pr, "FAIL " + str(e)[:300]])
+    # the ranges themselves: a causal mask tensor [S, S] at 16x16 tiles keeps key blocks [0, r] for query
+    # block r, [0, r) FULL (but never a tile past the last key); key padding on the right empties tiles
+    S = 70
+    m = T.structured_mask(2, S, "additive", pad_right=40)
+    mt, ms, kind = K._mask_args(m, 2, 2, S, S, m)
+    rng, rs = K._mask_block_ranges_of(mt, ms, kind, 2, 2, S, S, 16, 16)
+    got = rng.view(2, -1, 4).tolist()
+    # (no FULL tile: b = c = hi, so the whole [lo, hi) is read with the mask)
+    want0 = [[0, 1, 1, 1]] + [[0, 0, min(r, S // 16), r + 1] for r in range(1, 5)]
+    # batch 1: keys >= 30 masked -> key blocks >= 2 empty, block 1 (keys 16..31) partial for every row block
+    want1 = [[0, 1, 1, 1]] + [[0, 0, 1, 2] for r in range(1, 5)]
+    res.append(["ranges-values", "ok" if (got[0] == want0 and got[1] == want1 and rs == (5 * 4, 0))
+                else "FAIL " + json.dumps([got, rs])])
     print("RESULT " + json.dumps(res))
 """)
 

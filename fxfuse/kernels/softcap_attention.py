@@ -31,7 +31,15 @@ Kernels (FA2 structure):
   * ``_attn_bwd_dq``    one program per (q block, b, q head); loops over KV blocks.
 Every kernel splits its KV (or Q) range into [masked | unmasked | masked] loops: index masks (causal, window,
 sequence end) are only evaluated on the boundary blocks, and blocks that the causal / window masks remove
-entirely are never visited. A mask *tensor* is read blockwise in every visited block.
+entirely are never visited.
+
+A mask *tensor* alone (no index mask: what a graph pass hands over, since HF builds causal / window / padding
+into one tensor) gets the same treatment from the data: ``_mask_tile_classes`` reads the mask once per kernel
+tiling and classifies every (row block, column block) tile as EMPTY (every entry masked), FULL (every entry
+neutral: 0.0 additive / True bool, and inside the sequence) or PARTIAL; ``_mask_block_ranges`` turns each row
+of classes into [lo, b) partial | [b, c) full | [c, hi) partial, nothing kept outside [lo, hi). The kernels
+visit only [lo, hi) and read the mask only outside [b, c), so a causal mask tensor costs what ``causal=True``
+costs. Any mask stays correct: a block the ranges cannot prove FULL or EMPTY is computed with the mask.
 
 Softmax runs in base 2 (``exp2``; the log2(e) factor is folded into the scale), and tanh is written with one
 exp2 (``1 - 2 / (2^(2x·log2 e) + 1)``, exact limits +-1 at overflow), which the interpreter also runs.
@@ -371,6 +379,62 @@ if HAVE_TRITON:
             s2 = tl.where(keep != 0, s2, float("-inf"))
         return s2
 
+    # ------------------------------------------------------------------------ block ranges of a mask tensor
+    @triton.jit
+    def _mask_tile_classes(M, CLS, stride_mb, stride_mh, stride_r, stride_c, R, C, NR, NC, HM,
+                           BR: tl.constexpr, BC: tl.constexpr, MASK_KIND: tl.constexpr):
+        """CLS[bh, r, c] = 0 EMPTY / 1 PARTIAL / 2 FULL for the [BR, BC] mask tile (r, c) of mask (b, h).
+        Rows are queries and columns keys, or the transpose (strides swapped) for the dK/dV kernel. Out-of-range
+        columns count as masked and make a tile non-FULL (a FULL tile is read without bounds checks); out-of-
+        range rows do not matter (the kernels never store them)."""
+        pc = tl.program_id(0)
+        pr = tl.program_id(1)
+        bh = tl.program_id(2)
+        rows = pr * BR + tl.arange(0, BR)
+        cols = pc * BC + tl.arange(0, BC)
+        row_in = rows[:, None] < R
+        inb = row_in & (cols[None, :] < C)
+        ptrs = M + (bh // HM) * stride_mb + (bh % HM) * stride_mh + rows[:, None] * stride_r + cols[None, :] * stride_c
+        if MASK_KIND == 1:
+            mv = tl.load(ptrs, mask=inb, other=float("-inf")).to(tl.float32)
+            kept = mv > -65504.0
+            neutral = mv == 0.0
+        else:
+            keep = tl.load(ptrs, mask=inb, other=0)
+            kept = keep != 0
+            neutral = kept
+        any_kept = tl.max(tl.where(kept & inb, 1, 0))
+        all_neutral = tl.min(tl.where(neutral | (~row_in), 1, 0))
+        cls = tl.where(any_kept == 0, 0, tl.where(all_neutral == 1, 2, 1))
+        tl.store(CLS + (bh * NR + pr) * NC + pc, cls.to(tl.int8))
+
+    @triton.jit
+    def _mask_block_ranges(CLS, RANGES, NC, BLOCK: tl.constexpr):
+        """One row of tile classes -> (lo, b, c, hi) in block units: nothing kept outside [lo, hi), [b, c) all
+        FULL (the first run of FULL tiles; b = c = hi when there is none)."""
+        row = tl.program_id(0)
+        idx = tl.arange(0, BLOCK)
+        valid = idx < NC
+        cls = tl.load(CLS + row * NC + idx, mask=valid, other=0).to(tl.int32)
+        nonempty = cls != 0
+        lo = tl.min(tl.where(nonempty, idx, NC))
+        hi = tl.maximum(tl.max(tl.where(nonempty, idx + 1, 0)), lo)
+        full = cls == 2
+        b = tl.min(tl.where(full, idx, NC))
+        c = tl.min(tl.where(valid & (~full) & (idx > b), idx, NC))
+        none_full = b >= NC
+        b = tl.where(none_full, hi, b)
+        c = tl.where(none_full, hi, tl.minimum(c, hi))
+        tl.store(RANGES + row * 4, lo)
+        tl.store(RANGES + row * 4 + 1, b)
+        tl.store(RANGES + row * 4 + 2, c)
+        tl.store(RANGES + row * 4 + 3, hi)
+
+    @triton.jit
+    def _load_ranges(RNG, BLOCK: tl.constexpr):
+        return (tl.load(RNG) * BLOCK, tl.load(RNG + 1) * BLOCK, tl.load(RNG + 2) * BLOCK,
+                tl.load(RNG + 3) * BLOCK)
+
     # ------------------------------------------------------------------------------------------- forward
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
@@ -426,16 +490,16 @@ if HAVE_TRITON:
         return lo, b, c, hi
 
     @triton.jit
-    def _attn_fwd(Q, K, V, M, O, LSE,
+    def _attn_fwd(Q, K, V, M, RNG, O, LSE,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
-                  stride_mb, stride_mh, stride_mm, stride_mn,
+                  stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
                   stride_ob, stride_oh, stride_om, stride_od,
                   H, G, S, SKV, OFF, window, sc_mul, out_mul,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+                  HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr):
         # heaviest (last, under causal) q blocks first: better tail balance across the grid
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
         bh = tl.program_id(1)
@@ -460,13 +524,19 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+        # MASK_RANGES: key ranges from the mask tensor's tile classes; the FULL middle needs no mask reads
+        MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
+        if MASK_RANGES:
+            lo, b_, c_, hi = _load_ranges(RNG + b * stride_rb + h * stride_rh + pid_m * 4, BLOCK_N)
+        else:
+            lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                 HAS_WINDOW)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                                    BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
+                                   BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                                    BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
@@ -550,11 +620,11 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit
-    def _attn_bwd_dkdv(Q, K, V, M, DO, LSE, DELTA, DK, DV,
+    def _attn_bwd_dkdv(Q, K, V, M, RNG, DO, LSE, DELTA, DK, DV,
                        stride_qb, stride_qh, stride_qm, stride_qd,
                        stride_kb, stride_kh, stride_kn, stride_kd,
                        stride_vb, stride_vh, stride_vn, stride_vd,
-                       stride_mb, stride_mh, stride_mm, stride_mn,
+                       stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
                        stride_dob, stride_doh, stride_dom, stride_dod,
                        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -562,7 +632,7 @@ if HAVE_TRITON:
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-                       DO_DK: tl.constexpr, DO_DV: tl.constexpr):
+                       DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n = tl.program_id(0)
@@ -592,10 +662,14 @@ if HAVE_TRITON:
             dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         else:
             dv = tl.zeros([1, 1], tl.float32)
-        lo, b_, c_, hi = _kv_block_query_ranges(start_n, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                HAS_WINDOW)
+        MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
             h = hk * G + g
+            if MASK_RANGES:  # query ranges of this key block from the (transposed) mask's tile classes
+                lo, b_, c_, hi = _load_ranges(RNG + b * stride_rb + h * stride_rh + pid_n * 4, BLOCK_M)
+            else:
+                lo, b_, c_, hi = _kv_block_query_ranges(start_n, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                        HAS_WINDOW)
             Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
             DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
             M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
@@ -607,7 +681,7 @@ if HAVE_TRITON:
                                      DOT_FP32, DO_DK, DO_DV)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
                                      b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, False,
+                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False,
                                      DOT_FP32, DO_DK, DO_DV)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
                                      c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
@@ -653,17 +727,17 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit
-    def _attn_bwd_dq(Q, K, V, M, DO, LSE, DELTA, DQ,
+    def _attn_bwd_dq(Q, K, V, M, RNG, DO, LSE, DELTA, DQ,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
-                     stride_mb, stride_mh, stride_mm, stride_mn,
+                     stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
                      stride_dob, stride_doh, stride_dom, stride_dod,
                      stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                      H, G, S, SKV, OFF, window, sc_mul, out_mul, scaling,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+                     HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr):
         pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -687,13 +761,18 @@ if HAVE_TRITON:
         V_blk = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
         M_blk = M + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+        MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
+        if MASK_RANGES:
+            lo, b_, c_, hi = _load_ranges(RNG + b * stride_rb + h * stride_rh + pid_m * 4, BLOCK_N)
+        else:
+            lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                 HAS_WINDOW)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                            BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
+                           BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                            BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
@@ -719,6 +798,33 @@ def _mask_args(mask, B, Hq, S, Skv, like):
     return m, tuple(st), 1
 
 
+# Block ranges from a mask tensor (see the module docstring); False = read the mask in every block (benchmarks
+# compare the two).
+MASK_BLOCK_RANGES = True
+
+
+def _use_mask_ranges(kind, causal, window) -> bool:
+    # Only for a mask tensor alone: with index masks the scalar ranges already skip blocks (the mask tensor,
+    # e.g. padding, is then read in every visited block).
+    return bool(MASK_BLOCK_RANGES and kind != 0 and not causal and not window)
+
+
+def _mask_block_ranges_of(mt, ms, kind, B, Hq, R, C, BR, BC, transpose=False):
+    """int32 [Bm * Hm * cdiv(R, BR), 4] (lo, b, c, hi) per row block, in column-block units, and its (batch,
+    head) strides (0 where the mask broadcasts). ``transpose``: rows are keys, columns queries (dK/dV kernel).
+    Two launches, O(mask) reads, no host sync."""
+    sb, sh, sm, sn = ms
+    Bm, Hm = (B if sb else 1), (Hq if sh else 1)
+    sr, sc = (sn, sm) if transpose else (sm, sn)
+    NR, NC = triton.cdiv(R, BR), triton.cdiv(C, BC)
+    cls = torch.empty(Bm * Hm * NR * NC, dtype=torch.int8, device=mt.device)
+    _mask_tile_classes[(NC, NR, Bm * Hm)](mt, cls, sb, sh, sr, sc, R, C, NR, NC, Hm, BR=BR, BC=BC,
+                                          MASK_KIND=kind, num_warps=4)
+    rng = torch.empty(Bm * Hm * NR, 4, dtype=torch.int32, device=mt.device)
+    _mask_block_ranges[(Bm * Hm * NR,)](cls, rng, NC, BLOCK=max(16, triton.next_power_of_2(NC)), num_warps=4)
+    return rng, (Hm * NR * 4 if Bm > 1 else 0, NR * 4 if Hm > 1 else 0)
+
+
 def _scalars(scaling, softcap):
     if softcap:
         return scaling / softcap, softcap * LOG2E
@@ -736,16 +842,20 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     mt, ms, kind = _mask_args(mask, B, Hq, S, Skv, q)
     sc_mul, out_mul = _scalars(scaling, softcap)
 
+    ranges = _use_mask_ranges(kind, causal, window)
+
     def launch(c):
         BM, BN, nw, ns = c[:4]
+        rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_fwd[(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, out, lse, *q.stride(), *k.stride(), *v.stride(), *ms, *out.stride(),
+            q, k, v, mt, rng, out, lse, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *out.stride(),
             Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
             HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=bool(softcap), MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
-            DOT_FP32=interpreting() or q.dtype == torch.float32, num_warps=nw, num_stages=ns)
+            DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges, num_warps=nw,
+            num_stages=ns)
 
-    _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window)), launch)
+    _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges), launch)
     return out, lse
 
 
@@ -767,23 +877,29 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     dv = torch.empty(B, Hkv, Skv, Dh, dtype=v.dtype, device=q.device)
     common = dict(HEAD_DIM=Dh, BLOCK_D=BLOCK_D, SOFTCAP=bool(softcap), MASK_KIND=kind, IS_CAUSAL=bool(causal),
                   HAS_WINDOW=bool(window), DOT_FP32=dot32)
-    key = (BLOCK_D, q.dtype, kind, bool(window))
+    ranges = _use_mask_ranges(kind, causal, window)
+    key = (BLOCK_D, q.dtype, kind, bool(window), ranges)
+    common["MASK_RANGES"] = ranges
 
     def launch_dkdv(c):
         BM, BN, nw, ns, *split = c
         # split (5th config field): dK and dV in two launches, each holding one fp32 accumulator
         passes = [(True, False), (False, True)] if split and split[0] else [(True, True)]
+        # rows = key blocks, columns = query blocks: the transposed mask's ranges
+        rng, rs = (_mask_block_ranges_of(mt, ms, kind, B, Hq, Skv, S, BN, BM, transpose=True) if ranges
+                   else (lse, (0, 0)))
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv[(triton.cdiv(Skv, BN), B * Hkv)](
-                q, k, v, mt, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms, *do.stride(),
-                *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
-                float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk, DO_DV=do_dv,
-                **common)
+                q, k, v, mt, rng, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms, *rs,
+                *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
+                out_mul, float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
+                DO_DV=do_dv, **common)
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
+        rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_bwd_dq[(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *do.stride(),
+            q, k, v, mt, rng, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *do.stride(),
             *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling),
             BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, **common)
 
