@@ -51,6 +51,7 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "log_softmax": ("input", "dim", "_stacklevel", "dtype"),
     "softmax": ("input", "dim", "_stacklevel", "dtype"),
     "logsumexp": ("input", "dim", "keepdim"),
+    "stack": ("tensors", "dim"),
     "gather": ("input", "dim", "index", "sparse_grad"),
     "sum": ("input", "dim", "keepdim", "dtype"),
     "mean": ("input", "dim", "keepdim", "dtype"),
@@ -81,7 +82,7 @@ _FUNCTIONS: Dict[Any, str] = {
     F.log_softmax: "log_softmax", torch.log_softmax: "log_softmax", torch._C._nn.log_softmax
     if hasattr(torch._C._nn, "log_softmax") else F.log_softmax: "log_softmax",
     F.softmax: "softmax", torch.softmax: "softmax",
-    torch.logsumexp: "logsumexp", torch.gather: "gather",
+    torch.logsumexp: "logsumexp", torch.gather: "gather", torch.stack: "stack",
     torch.sum: "sum", torch.mean: "mean",
     F.dropout: "dropout", torch.dropout: "dropout",
     torch.masked_fill: "masked_fill", torch.where: "where", torch.logical_not: "logical_not",

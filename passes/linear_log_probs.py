@@ -8,6 +8,9 @@ projection, label-shift slices, casts, ``/ temperature``, an optional softcap)::
     ent  = -(lp.exp() * lp).sum(-1)                     # optional, on the same lp: the entropy
            -(softmax(z, -1) * lp).sum(-1)
     logp = z.gather(-1, index[..., None]).squeeze(-1) - logsumexp(z, -1)     # the same log-probs, spelled out
+    logp = z.gather(-1, index[..., None]) - logsumexp(z, -1, keepdim=True)   # (or .unsqueeze(-1)), [..., 1]
+    per-row loops over the batch (TRL's ``selective_log_softmax``), unrolled by Dynamo:
+    stack([log_softmax(z[i], -1).gather(-1, index[i]) for i]), stack([logsumexp(z[i], -1) for i])
 
 become one ``fxfuse::linear_log_probs(hidden, weight, index, bias, temperature, softcap, return_entropy)`` call:
 the [tokens x vocab] logits, their fp32 copy and the log-softmax are never materialised (nor saved for the
@@ -17,8 +20,9 @@ backward); the backward recomputes the logits chunk by chunk and takes any per-t
 
 Not fused (reason in the fusion report): a log-softmax with other users (the full distribution is needed), a
 gather over another dim or with more than one index per row, a logit chain with anything but the ops above, a
-non-positive temperature. TRL's own helpers (``selective_log_softmax``'s per-row loops, its Triton kernel on CUDA)
-are different graphs: see the README for putting a trainer's log-prob computation into a compiled region.
+non-positive temperature. Per-row loops are folded back into the batched form (``_row_loops``) only for the
+duration of the match: a loop whose batched form is not fused is left exactly as it was (it bounds memory).
+TRL's Triton kernel (its ``selective_log_softmax`` on CUDA) is an opaque autograd function, not fused.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, no
 from fxfuse.registry import register_pass
 
 from ._logit_chain import LogitChain, match_logit_chain
+from ._row_loops import fold_row_loops
 
 NAME = "linear_log_probs"
 
@@ -134,7 +139,15 @@ def _match_log_softmax(lp: fx.Node) -> Tuple[Optional[_Site], str]:
 def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
     """``z.gather(-1, idx)[.squeeze(-1)] - logsumexp(z, -1[, keepdim])`` (log_softmax(x_i) = x_i - lse(x))."""
     a, b = arg(sub, "input"), arg(sub, "other")
-    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or op_kind(b) != "logsumexp":
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return None, ""
+    unsq = None  # logsumexp(z, -1).unsqueeze(-1): the keepdim form written out
+    if op_kind(b) == "unsqueeze" and op_kind(arg(b, "input")) == "logsumexp" and len(b.users) == 1:
+        inner = arg(b, "input")
+        bv = node_val(b)
+        if isinstance(bv, torch.Tensor) and arg(b, "dim") in (-1, bv.dim() - 1) and not arg(inner, "keepdim", False):
+            unsq, b = b, inner
+    if op_kind(b) != "logsumexp":
         return None, ""
     squeeze = a if op_kind(a) == "squeeze" else None
     gnode = arg(a, "input") if squeeze is not None else a
@@ -143,7 +156,7 @@ def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
     z = arg(b, "input")
     if arg(gnode, "input") is not z or not _is_last_dim(b, arg(b, "dim")):
         return None, "selected logits minus a logsumexp of other logits / over another dim"
-    keepdim = bool(arg(b, "keepdim", False))
+    keepdim = bool(arg(b, "keepdim", False)) or unsq is not None
     if keepdim == (squeeze is not None):
         return None, "selected logits and logsumexp shapes do not line up"
     if any(len(n.users) != 1 for n in (a, b) + ((gnode,) if squeeze is not None else ())):
@@ -151,7 +164,7 @@ def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
     idx, _, why = _gather_index(gnode)
     if idx is None:
         return None, why
-    erase = [sub] + ([squeeze] if squeeze is not None else []) + [gnode, b]
+    erase = [sub] + ([squeeze] if squeeze is not None else []) + [gnode] + ([unsq] if unsq is not None else []) + [b]
     return _Site(sub, z, None, idx, sub, keepdim, erase), ""
 
 
@@ -225,9 +238,11 @@ def linear_log_probs_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     for mod in ctx.graph_modules(gm):
         changed = 0
+        folds = fold_row_loops(mod.graph)
+        in_loops = {n for f in folds for n in f.loop}
         for node in list(mod.graph.nodes):
-            if node.graph is not mod.graph or node not in mod.graph.nodes:
-                continue  # erased by an earlier site
+            if node in in_loops or node.graph is not mod.graph or node not in mod.graph.nodes:
+                continue  # a folded loop's rows (its batched form is matched instead), or erased by a site
             kind = op_kind(node)
             if kind not in ("log_softmax", "sub"):
                 continue
@@ -239,6 +254,11 @@ def linear_log_probs_pass(gm: fx.GraphModule, ctx) -> int:
                 continue
             if _rewrite(mod, site, ctx):
                 changed += 1
+        for f in folds:  # keep a fold only where its batched form was fused
+            if f.folded():
+                f.finish(mod.graph)
+            else:
+                f.undo(mod.graph)
         if changed:
             mod.recompile()
         count += changed
