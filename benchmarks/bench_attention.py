@@ -9,7 +9,7 @@ Sections (argv, default all): check tune table.   Writes $OUT/attention.json; pr
 Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_attention.py check tune table
 Env: BENCH_DEADLINE_S (default 330: later sections are skipped past it), BENCH_CONFIGS (JSON config override
 for fxfuse rows: {"fwd": [BM, BN, warps, stages], "dkdv": [...], "dq": [...]}), BENCH_TUNE (JSON: candidate
-lists per kernel), BENCH_CASES (comma list of case names).
+lists per kernel), BENCH_CASES (comma list of case names), BENCH_CHECK_DTYPES (comma list, e.g. bfloat16).
 """
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ def sec_check():
         (1, 8, 4, 1500, 1500, 256, 50.0, False, 0, "hf-window-300-bool", torch.bfloat16),
         (2, 4, 2, 333, 333, 128, 30.0, False, 0, "hf-causal-padded", torch.float32),
     ]
+    if os.environ.get("BENCH_CHECK_DTYPES"):  # e.g. "bfloat16,float16": skip the slow fp32 cases
+        cases = [c for c in cases if str(c[-1])[6:] in os.environ["BENCH_CHECK_DTYPES"].split(",")]
     for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases:
         g = torch.Generator(device=DEV).manual_seed(int(time.time() * 1e6) % 2**31)
         q = torch.randn(B, Hq, S, Dh, device=DEV, generator=g).to(dt)
@@ -279,6 +281,7 @@ def sec_table():
             "fxfuse softcap_attention": lambda q, k, v: K_op(q, k, v, None, scale, cap, True, win or 0, cfg),
             "fxfuse (mask tensor, no index mask)": lambda q, k, v: K_op(q, k, v, fmask, scale, cap, False, 0, cfg),
             "fxfuse (mask tensor, every block)": lambda q, k, v: K_op(q, k, v, fmask, scale, cap, False, 0, cfg),
+            "fxfuse (exact tanh)": lambda q, k, v: K_op(q, k, v, None, scale, cap, True, win or 0, cfg),
             "eager (HF Gemma2 eager)": eager,
             "inductor(eager)": torch.compile(eager),
         }
@@ -299,9 +302,10 @@ def sec_table():
             def step():
                 q.grad = k.grad = v.grad = None
                 K.MASK_BLOCK_RANGES = "every block" not in iname  # the mask read in every block, as before
+                K.FAST_TANH = "exact tanh" not in iname  # tanh from exp2 (two MUFU ops) instead of tanh.approx
                 o = fn(q, k, v)
                 o.backward(do)
-                K.MASK_BLOCK_RANGES = True
+                K.MASK_BLOCK_RANGES = K.FAST_TANH = True
                 return o
             try:
                 o = step()
