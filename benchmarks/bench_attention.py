@@ -282,6 +282,7 @@ def sec_table():
             "fxfuse (mask tensor, no index mask)": lambda q, k, v: K_op(q, k, v, fmask, scale, cap, False, 0, cfg),
             "fxfuse (mask tensor, every block)": lambda q, k, v: K_op(q, k, v, fmask, scale, cap, False, 0, cfg),
             "fxfuse (exact tanh)": lambda q, k, v: K_op(q, k, v, None, scale, cap, True, win or 0, cfg),
+            "fxfuse (head-major grid)": lambda q, k, v: K_op(q, k, v, None, scale, cap, True, win or 0, cfg),
             "eager (HF Gemma2 eager)": eager,
             "inductor(eager)": torch.compile(eager),
         }
@@ -303,9 +304,10 @@ def sec_table():
                 q.grad = k.grad = v.grad = None
                 K.MASK_BLOCK_RANGES = "every block" not in iname  # the mask read in every block, as before
                 K.FAST_TANH = "exact tanh" not in iname  # tanh from exp2 (two MUFU ops) instead of tanh.approx
+                K.BLOCK_MAJOR_GRID = "head-major" not in iname  # grid (blocks, heads): per-head heaviest-first
                 o = fn(q, k, v)
                 o.backward(do)
-                K.MASK_BLOCK_RANGES = K.FAST_TANH = True
+                K.MASK_BLOCK_RANGES = K.FAST_TANH = K.BLOCK_MAJOR_GRID = True
                 return o
             try:
                 o = step()

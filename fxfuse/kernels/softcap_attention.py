@@ -444,6 +444,24 @@ if HAVE_TRITON:
         tl.store(RANGES + row * 4 + 3, hi)
 
     @triton.jit
+    def _grid_ids(BLOCK_MAJOR: tl.constexpr, REVERSE: tl.constexpr):
+        """(block index, batch*head index) of this program. Under a causal mask the work per block grows with
+        the query block (fwd, dQ: REVERSE, heaviest = last) or shrinks with the key block (dK/dV). Programs are
+        dispatched in linear-id order, so BLOCK_MAJOR (grid = (batch*heads, blocks)) makes the block index the
+        slow axis: every head's heaviest blocks go first and the light ones fill the tail (longest-first)."""
+        if BLOCK_MAJOR:
+            blk = tl.program_id(1)
+            nblk = tl.num_programs(1)
+            bh = tl.program_id(0)
+        else:
+            blk = tl.program_id(0)
+            nblk = tl.num_programs(0)
+            bh = tl.program_id(1)
+        if REVERSE:
+            blk = nblk - 1 - blk
+        return blk, bh
+
+    @triton.jit
     def _load_ranges(RNG, BLOCK: tl.constexpr):
         return (tl.load(RNG) * BLOCK, tl.load(RNG + 1) * BLOCK, tl.load(RNG + 2) * BLOCK,
                 tl.load(RNG + 3) * BLOCK)
@@ -512,10 +530,9 @@ if HAVE_TRITON:
                   H, G, S, SKV, OFF, window, sc_mul, out_mul,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr):
-        # heaviest (last, under causal) q blocks first: better tail balance across the grid
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        bh = tl.program_id(1)
+                  HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
+                  BLOCK_MAJOR: tl.constexpr):
+        pid_m, bh = _grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         h = bh % H
         hk = h // G  # GQA: this q head's kv head
@@ -645,11 +662,11 @@ if HAVE_TRITON:
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-                       DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr):
+                       DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
+                       BLOCK_MAJOR: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
-        pid_n = tl.program_id(0)
-        bhk = tl.program_id(1)
+        pid_n, bhk = _grid_ids(BLOCK_MAJOR, False)
         b = bhk // HKV
         hk = bhk % HKV
         start_n = pid_n * BLOCK_N
@@ -750,9 +767,9 @@ if HAVE_TRITON:
                      H, G, S, SKV, OFF, window, sc_mul, out_mul, scaling,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                     HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr):
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        bh = tl.program_id(1)
+                     HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
+                     BLOCK_MAJOR: tl.constexpr):
+        pid_m, bh = _grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         h = bh % H
         hk = h // G
@@ -850,6 +867,14 @@ def _softcap_mode(softcap, dtype) -> int:
     return 2 if (FAST_TANH and dtype in (torch.bfloat16, torch.float16) and not interpreting()) else 1
 
 
+# Grid order (see ``_grid_ids``): True = (batch*heads, blocks), longest-first dispatch across all heads.
+BLOCK_MAJOR_GRID = True
+
+
+def _grid(n_blocks, n_bh):
+    return (n_bh, n_blocks) if BLOCK_MAJOR_GRID else (n_blocks, n_bh)
+
+
 def _scalars(scaling, softcap):
     if softcap:
         return scaling / softcap, softcap * LOG2E
@@ -872,14 +897,14 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        _attn_fwd[(triton.cdiv(S, BM), B * Hq)](
+        _attn_fwd[_grid(triton.cdiv(S, BM), B * Hq)](
             q, k, v, mt, rng, out, lse, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *out.stride(),
             Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
             HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=_softcap_mode(softcap, q.dtype),
             MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
-            DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges, num_warps=nw,
-            num_stages=ns)
+            DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges, BLOCK_MAJOR=BLOCK_MAJOR_GRID,
+            num_warps=nw, num_stages=ns)
 
     _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges), launch)
     return out, lse
@@ -907,6 +932,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     ranges = _use_mask_ranges(kind, causal, window)
     key = (BLOCK_D, q.dtype, kind, bool(window), ranges)
     common["MASK_RANGES"] = ranges
+    common["BLOCK_MAJOR"] = BLOCK_MAJOR_GRID
 
     def launch_dkdv(c):
         BM, BN, nw, ns, *split = c
@@ -916,7 +942,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         rng, rs = (_mask_block_ranges_of(mt, ms, kind, B, Hq, Skv, S, BN, BM, transpose=True) if ranges
                    else (lse, (0, 0)))
         for do_dk, do_dv in passes:
-            _attn_bwd_dkdv[(triton.cdiv(Skv, BN), B * Hkv)](
+            _attn_bwd_dkdv[_grid(triton.cdiv(Skv, BN), B * Hkv)](
                 q, k, v, mt, rng, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms, *rs,
                 *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
                 out_mul, float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
@@ -925,7 +951,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        _attn_bwd_dq[(triton.cdiv(S, BM), B * Hq)](
+        _attn_bwd_dq[_grid(triton.cdiv(S, BM), B * Hq)](
             q, k, v, mt, rng, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *do.stride(),
             *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling),
             BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, **common)
