@@ -9,6 +9,7 @@ projection, label-shift slices, casts, ``/ temperature``, an optional softcap)::
            -(softmax(z, -1) * lp).sum(-1)
     logp = z.gather(-1, index[..., None]).squeeze(-1) - logsumexp(z, -1)     # the same log-probs, spelled out
     logp = z.gather(-1, index[..., None]) - logsumexp(z, -1, keepdim=True)   # (or .unsqueeze(-1)), [..., 1]
+    ent  = lse - (softmax(z, -1) * z).sum(-1)          # optional, on the same lse = logsumexp(z, -1)
     per-row loops over the batch (TRL's ``selective_log_softmax``), unrolled by Dynamo:
     stack([log_softmax(z[i], -1).gather(-1, index[i]) for i]), stack([logsumexp(z[i], -1) for i])
 
@@ -87,6 +88,25 @@ def _entropy_site(lp: fx.Node, z: fx.Node, user: fx.Node) -> Optional[List[fx.No
     return [p, user, s, neg]  # in dependency order (erased in reverse)
 
 
+def _entropy_from_lse(lse: fx.Node, z: fx.Node, user: fx.Node) -> Optional[List[fx.Node]]:
+    """``user`` is ``lse - (softmax(z, -1) * z).sum(-1)`` (the entropy from the logits): the nodes
+    [softmax, mul, sum, sub], else None."""
+    if op_kind(user) != "sub" or arg(user, "input") is not lse:
+        return None
+    s = arg(user, "other")
+    if op_kind(s) != "sum" or not _is_last_dim(s, arg(s, "dim")) or arg(s, "keepdim", False) or len(s.users) != 1:
+        return None
+    m = arg(s, "input")
+    if op_kind(m) != "mul" or len(m.users) != 1:
+        return None
+    a, b = arg(m, "input"), arg(m, "other")
+    p = a if b is z else (b if a is z else None)
+    if not (op_kind(p) == "softmax" and arg(p, "input") is z and _is_last_dim(p, arg(p, "dim"))
+            and len(p.users) == 1 and arg(p, "dtype") is None):
+        return None
+    return [p, m, s, user]
+
+
 def _op_scalars(chain: LogitChain) -> Tuple[Optional[Tuple[float, float]], str]:
     """(temperature, softcap) of the op for the chain's ``post * tanh(pre * x)`` or ``scale * x``."""
     if chain.tanh:
@@ -159,13 +179,22 @@ def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
     keepdim = bool(arg(b, "keepdim", False)) or unsq is not None
     if keepdim == (squeeze is not None):
         return None, "selected logits and logsumexp shapes do not line up"
-    if any(len(n.users) != 1 for n in (a, b) + ((gnode,) if squeeze is not None else ())):
-        return None, "the selected logits or the logsumexp have other users"
+    if any(len(n.users) != 1 for n in (a,) + ((gnode,) if squeeze is not None else ())):
+        return None, "the selected logits have other users"
+    entropy = None
+    lse_others = [u for u in b.users if u is not (unsq if unsq is not None else sub)]
+    if unsq is not None and len(unsq.users) != 1:
+        return None, "the logsumexp has other users"
+    if lse_others:
+        entropy = _entropy_from_lse(b, z, lse_others[0]) if len(lse_others) == 1 else None
+        if entropy is None:
+            return None, "the logsumexp has other users (than the log-probs and an entropy)"
     idx, _, why = _gather_index(gnode)
     if idx is None:
         return None, why
-    erase = [sub] + ([squeeze] if squeeze is not None else []) + [gnode] + ([unsq] if unsq is not None else []) + [b]
-    return _Site(sub, z, None, idx, sub, keepdim, erase), ""
+    erase = ([sub] + ([squeeze] if squeeze is not None else []) + [gnode] + ([unsq] if unsq is not None else [])
+             + (entropy[::-1] if entropy else []) + [b])
+    return _Site(sub, z, None, idx, sub, keepdim, erase, entropy[-1] if entropy else None), ""
 
 
 def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:

@@ -65,6 +65,12 @@ FORMS = {
     "entropy_softmax": lambda h, W, y: (lambda z: (lambda lp: (lp.gather(-1, y.unsqueeze(-1)).squeeze(-1),
                                                                -(F.softmax(z, -1) * lp).sum(-1)))(
         F.log_softmax(z, -1)))(F.linear(h, W) / 2.0),
+    # the entropy from the logits, sharing the log-probs' logsumexp: lse - (softmax(z) * z).sum(-1)
+    "entropy_lse": lambda h, W, y: (lambda z: (lambda lse: (z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse,
+                                                            lse - (torch.softmax(z, -1) * z).sum(-1)))(
+        torch.logsumexp(z, -1)))(F.linear(h, W).float() / 0.7),
+    "entropy_lse_unsqueeze": lambda h, W, y: (lambda z: (lambda lse: (z.gather(-1, y[:, 1:, None]) - lse.unsqueeze(
+        -1), lse - (z * z.softmax(-1)).sum(-1)))(z.logsumexp(-1)))(F.linear(h, W)[:, :-1]),
 }
 
 
