@@ -18,8 +18,10 @@ before the repeat. The [B, Hq, S, Skv] scores, their softcapped / masked / fp32 
 are never materialised (nor saved for the backward), nor are the repeated k / v.
 
 The mask tensor is passed as is (causal=False, window=0): it already encodes any mix of causal, sliding window and
-padding that ``masking_utils`` built, so the result is right whatever the mask is; recognising the causal / window
-structure from the graph (the op's block-skipping fast path) is left for later.
+padding that ``masking_utils`` built, so the result is right whatever the mask is. The op's launchers recover the
+block structure from the data (tiles classified empty / full / partial, once per kernel tiling), so empty blocks
+are skipped and the mask is read only on partial ones, without this pass having to recognise how the mask was
+built.
 
 One semantic difference, documented by the op: a query row whose every key is masked (HF's fully padded query
 rows with finfo.min masks) yields zeros in the fused op instead of eager's uniform average over the masked keys.

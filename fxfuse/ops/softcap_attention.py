@@ -20,8 +20,10 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
     window  int                        0 = none; else also keep only qi + (Skv - S) - ki < window (needs causal)
     ->  out  [B, Hq, S, Dh] contiguous, q.dtype;   lse [B, Hq, S] fp32 (for the backward; +inf on dead rows)
 
-Either give the causal / window structure as scalars (blocks outside it are skipped: the fast path) or
-through ``mask`` (read blockwise in every block), or both (e.g. causal=True plus a padding mask).
+Either give the causal / window structure as scalars (blocks outside it are skipped) or through ``mask`` (on
+CUDA its tiles are classified empty / full / partial first, so empty blocks are skipped and the mask is read
+only on partial ones: a causal mask tensor costs ~10% more than causal=True), or both (e.g. causal=True plus a
+padding mask; the mask is then read in every block the index mask keeps).
 Rows whose every key is masked output zeros and get zero gradients. Dropout is not supported (a pass must not
 rewrite attention with dropout p > 0 in training). The mask gets no gradient (the public function refuses a
 mask that requires grad). The backward is ``fxfuse::softcap_attention_backward`` (same scalars, plus dout,
