@@ -48,6 +48,7 @@ class AttentionSite:
     dropout: Optional[Tuple[Any, Any]] = None  # (p, training) as read, for the report
     n_rep: int = 1
     nodes: List[fx.Node] = field(default_factory=list)  # nodes the rewrite may leave dead, graph order
+    cast_to: Optional[torch.dtype] = None  # autocast: both matmuls ran in this dtype on fp32 inputs
 
 
 def known_number(a: Any) -> Optional[float]:
@@ -453,10 +454,18 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
     if known_true(D > 256):
         return None, f"head_dim {D} > 256"
     dts = {qv.dtype, kv.dtype, v0v.dtype}
-    if len(dts) != 1 or qv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return None, f"q / k / v dtypes {sorted(map(str, dts))} (need one of bf16 / fp16 / fp32)"
     out = _tensor(pv_node)
-    if out is None or out.dtype != qv.dtype or not _same_shape(tuple(out.shape), (B, Hq, S, D)):
+    cast_to = None
+    low = (torch.bfloat16, torch.float16)
+    if (out is not None and out.dtype in low and _tensor(qk).dtype == out.dtype and dts != {out.dtype}
+            and dts <= {out.dtype, torch.float32}):
+        # Autocast (AMP): q @ k^T and p @ v returned out.dtype from fp32 operands, i.e. autocast ran both matmuls
+        # on operands cast to out.dtype. The op gets q / k / v cast the same way (its scores then stay fp32 where
+        # eager rounds them to out.dtype: at least as precise).
+        cast_to = out.dtype
+    elif len(dts) != 1 or qv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None, f"q / k / v dtypes {sorted(map(str, dts))} (need one of bf16 / fp16 / fp32)"
+    if out is None or out.dtype != (cast_to or qv.dtype) or not _same_shape(tuple(out.shape), (B, Hq, S, D)):
         return None, "probs @ v output is not [B, Hq, S, D] in q's dtype"
     if len({t.device for t in (qv, kv, v0v)}) != 1:
         return None, "q / k / v on different devices"
@@ -473,5 +482,5 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
             return None, why
     nodes = pre_q + krep_nodes + vrep_nodes + ([kt] if k_rep is not None else []) + [qk] + chain[::-1] + [sm] + post
     site = AttentionSite(sm, qk, pv_node, q, k0, k_t, v0, float(scaling), float(softcap), mask, mask_negate,
-                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes)
+                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes, cast_to)
     return site, None

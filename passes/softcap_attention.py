@@ -27,6 +27,9 @@ One semantic difference, documented by the op: a query row whose every key is ma
 rows with finfo.min masks) yields zeros in the fused op instead of eager's uniform average over the masked keys.
 Such rows are padding: their outputs only reach positions a correct loss ignores (labels -100).
 
+Under autocast (AMP: fp32 q / k / v, both matmuls returning bf16 / fp16) the op gets q / k / v cast to that
+dtype, as autocast casts them for the matmuls (``autocast_dtype`` in the report).
+
 Not fused (reason in the fusion report): dropout that may be > 0 in training, scores or probabilities with other
 users (``output_attentions``), a scaling that is a graph value with no specialised example value, a mask that is a
 slice other than ``[..., :Skv]``, a mask that requires grad, masked_fill with a soft value, softmax not over the
@@ -59,8 +62,14 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
         if mask is not None and site.mask_negate:
             mask = g.call_function(torch.logical_not, (mask,))
             copy_node_meta(mask, site.qk)
+        q, v = site.q, site.v
+        if site.cast_to is not None:  # autocast: cast the operands as autocast cast them for both matmuls
+            casts = [g.call_method("to", (t, site.cast_to)) for t in (q, k, v)]
+            for c in casts:
+                copy_node_meta(c, site.qk)
+            q, k, v = casts
         node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
-                               (site.q, k, site.v, mask, site.scaling, site.softcap, False, 0))
+                               (q, k, v, mask, site.scaling, site.softcap, False, 0))
         out = g.call_function(operator.getitem, (node, 0))
     copy_node_meta(node, site.qk)
     copy_node_meta(out, site.qk)
@@ -100,6 +109,7 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
             detail = dict(scaling=site.scaling, softcap=site.softcap, mask=site.mask_kind,
                           mask_node=site.mask.name if site.mask is not None else None, n_rep=site.n_rep,
                           causal=False, window=0, dropout=site.dropout, scores_numel=score_numel,
+                          autocast_dtype=str(site.cast_to) if site.cast_to is not None else None,
                           erased=[n.name for n in erased])
             op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"
                   f"scaling {site.scaling:.6g}, {site.mask_kind} mask, GQA {site.n_rep}:1)")

@@ -273,3 +273,19 @@ def test_fake_impl_shapes_strides_and_opcheck():
     for args in [(q, k, v, mask, 0.125, 50.0, True, 0), (q, k, v, None, 0.125, 0.0, True, 5)]:
         torch.library.opcheck(torch.ops.fxfuse.softcap_attention.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_autocast_casts_q_k_v_like_the_matmuls_it_replaces():
+    """Under autocast the op casts fp32 q / k / v to the autocast dtype (as autocast does for the two matmuls) and
+    leaves the additive mask alone; the result equals calling it on the cast operands."""
+    q, k, v, do, mask = make_case(1, 4, 2, 21, 64, torch.float32, "additive")
+    for dt in (torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dt):
+            out, lse = torch.ops.fxfuse.softcap_attention(q, k, v.to(dt), mask, 0.125, 50.0, True, 0)
+        ref, ref_lse = torch.ops.fxfuse.softcap_attention(q.to(dt), k.to(dt), v.to(dt), mask, 0.125, 50.0, True, 0)
+        assert out.dtype == dt
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+        out.float().backward(do)  # gradients flow back to the fp32 leaves through the casts
+        assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+        q.grad = k.grad = v.grad = None
