@@ -50,6 +50,7 @@ from ..contracts import OpContract
 from ._lm_head import empty_weight_grads, flatten_and_grad_flags
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
+from ._autocast import register_autocast_casts
 
 __all__ = ["linear_cross_entropy"]
 
@@ -215,6 +216,8 @@ def _linear_cross_entropy_composite(hidden, weight, target, bias, ignore_index=-
 
 
 _lib.impl("linear_cross_entropy", _linear_cross_entropy_composite, "CompositeImplicitAutograd")
+# Under autocast (AMP) the lm-head linear runs in the autocast dtype: so does the op (``_autocast``).
+register_autocast_casts("linear_cross_entropy", ("hidden", "weight", "bias"))
 
 
 # ================================================================================================ public API

@@ -45,6 +45,7 @@ from torch import Tensor
 from ..contracts import OpContract
 from ._lm_head import empty_weight_grads, flatten_and_grad_flags
 from ..kernels import linear_log_probs as K
+from ._autocast import register_autocast_casts
 
 __all__ = ["linear_log_probs"]
 
@@ -157,6 +158,8 @@ def _linear_log_probs_composite(hidden, weight, index, bias, temperature=1.0, so
 
 
 _lib.impl("linear_log_probs", _linear_log_probs_composite, "CompositeImplicitAutograd")
+# Under autocast (AMP) the lm-head linear runs in the autocast dtype: so does the op (``_autocast``).
+register_autocast_casts("linear_log_probs", ("hidden", "weight", "bias"))
 
 
 # ================================================================================================ public API

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
+from ._autocast import register_autocast_casts
 from ..graph_utils import known_true
 from ..kernels import softcap_attention as _k
 
@@ -159,36 +160,10 @@ def _backward(ctx, dout, dlse):
 _softcap_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ================================================================================================= autocast
-# Under autocast the two matmuls this op replaces run on operands cast to the autocast dtype (fp32 -> bf16 /
-# fp16; fp64 is left alone, as autocast leaves it), while the additive mask joins fp32 scores. The op does the
-# same: q, k, v are cast to the current autocast dtype, the mask is not, then it runs with autocast off. This also
-# covers graphs whose recorded dtypes predate autocast (checkpoint bodies re-traced under the caller's autocast).
-_AUTOCAST_LIB = torch.library.Library("fxfuse", "FRAGMENT")
-
-
-def _register_autocast() -> None:
-    for device in ("cpu", "cuda"):
-        if not torch._C._is_autocast_available(device):
-            continue
-        key_name = "Autocast" + torch._C._dispatch_key_for_device(device)
-        key = getattr(torch._C.DispatchKey, key_name)
-
-        def kernel(q, k, v, mask, scaling, softcap, causal, window, _device=device, _key=key):
-            dt = torch.get_autocast_dtype(_device)
-
-            def cast(t):
-                eligible = t.device.type == _device and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
-                return t.to(dt) if eligible and t.dtype != dt else t
-
-            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_key)):
-                return torch.ops.fxfuse.softcap_attention.default(cast(q), cast(k), cast(v), mask, scaling, softcap,
-                                                                  causal, window)
-
-        _AUTOCAST_LIB.impl("softcap_attention", kernel, key_name)
-
-
-_register_autocast()
+# Under autocast the two matmuls this op replaces run on operands cast to the autocast dtype, while the additive
+# mask joins fp32 scores: the op casts q, k, v (not the mask) the same way. This also covers graphs whose recorded
+# dtypes predate autocast (checkpoint bodies re-traced under the caller's autocast).
+register_autocast_casts("softcap_attention", ("q", "k", "v"))
 
 
 # ============================================================================================ public function
