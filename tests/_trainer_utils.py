@@ -50,7 +50,7 @@ def assert_losses_unchanged(make_trainer, n_steps: int, rel: float, abs: float, 
     torch._dynamo.reset()
     fxfuse.clear_reports()
     got = trainer_losses(make_trainer, True)
-    assert len(ref) == n_steps and got == pytest.approx(ref, rel=rel, abs=abs)
+    assert len(ref) == n_steps and got == pytest.approx(ref, rel=rel, abs=abs), (got, ref)
     reps = fxfuse.reports()
     assert reps, "nothing was compiled"
     rolled = [s for r in reps for s in r.rolled_back]
