@@ -521,6 +521,17 @@ if HAVE_TRITON:
         return lo, b, c, hi
 
     @triton.jit
+    def _q_block_key_ranges_of(RNG_row, start_m, S, SKV, OFF, window, BLOCK_M: tl.constexpr,
+                               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                               MASK_RANGES: tl.constexpr):
+        """The forward's and dQ's key ranges (lo, b, c, hi): from the mask tensor's tile classes (MASK_RANGES,
+        ``RNG_row`` = this q block's row) or from the index masks."""
+        if MASK_RANGES:
+            return _load_ranges(RNG_row, BLOCK_N)
+        else:
+            return _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+
+    @triton.jit
     def _attn_fwd(Q, K, V, M, RNG, O, LSE,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
@@ -554,13 +565,10 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # MASK_RANGES: key ranges from the mask tensor's tile classes; the FULL middle needs no mask reads
+        # MASK_RANGES: the FULL middle [b_, c_) of the mask tensor's ranges needs no mask reads
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
-        if MASK_RANGES:
-            lo, b_, c_, hi = _load_ranges(RNG + b * stride_rb + h * stride_rh + pid_m * 4, BLOCK_N)
-        else:
-            lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                 HAS_WINDOW)
+        lo, b_, c_, hi = _q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
+                                                OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                                    BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
@@ -792,11 +800,8 @@ if HAVE_TRITON:
         M_blk = M + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
-        if MASK_RANGES:
-            lo, b_, c_, hi = _load_ranges(RNG + b * stride_rb + h * stride_rh + pid_m * 4, BLOCK_N)
-        else:
-            lo, b_, c_, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                 HAS_WINDOW)
+        lo, b_, c_, hi = _q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
+                                                OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                            BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
