@@ -2,9 +2,17 @@
 so fxfuse rows compare with the anchor rows."""
 import json
 import os
+import sys
 import time
 
 import torch
+
+# the repository root, so the scripts import fxfuse from the source tree without an install
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+OUT = os.environ.get("OUT", "/tmp")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMOKE = DEV == "cpu"  # no GPU: the scripts run a tiny smoke version
 
 
 def bench(fn, warmup=3, reps=10):
@@ -40,10 +48,9 @@ def rel(a, b):
 
 def jsonl_emitter(filename):
     """``emit(**row)``: print a result row and append it to $OUT/<filename> (the device returns $OUT)."""
-    out = os.environ.get("OUT", "/tmp")
 
     def emit(**row):
-        with open(os.path.join(out, filename), "a") as f:
+        with open(os.path.join(OUT, filename), "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 

@@ -21,17 +21,11 @@ import torch.nn as nn
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _common import bench, jsonl_emitter, rel  # noqa: E402
+from _common import DEV, SMOKE, bench, jsonl_emitter, rel  # noqa: E402
 
 import fxfuse  # noqa: E402,F401
 from fxfuse.kernels import lora_linear as K  # noqa: E402
 from fxfuse.ops.lora_linear import lora_dropout_keep_mask, lora_linear  # noqa: E402
-
-OUT = os.environ.get("OUT", "/tmp")
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SMOKE = DEV == "cpu"
-
 
 emit = jsonl_emitter("bench_lora.jsonl")
 
