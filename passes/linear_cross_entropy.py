@@ -22,7 +22,9 @@ projection; the report says so. Not fused, with the reason in the report: class 
 (class dim 1), operands of different dtypes or devices, and any chain op not listed above.
 
 Pass options (``pass_options={"linear_cross_entropy": {...}}``): ``logits``: ``"lazy"`` (default) or
-``"materialize"`` (return real logits; the projection is then computed for them).
+``"materialize"`` (return real logits; the projection is then computed for them); ``chunk_bytes``: the op's
+logits-chunk budget in bytes (default 256 MiB; larger chunks are faster for big vocabularies, e.g. 1 GiB saves
+~7 ms per 8192 tokens on a Gemma-2 head, see benchmarks/lce_notes.md; 16 MiB is the min-memory setting).
 """
 from __future__ import annotations
 
@@ -177,7 +179,8 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
         fused = g.call_function(
             torch.ops.fxfuse.linear_cross_entropy.default,
             (h, w, target, chain.bias, int(consts["ignore_index"]), reduction, float(chain.softcap),
-             float(chain.scale), float(consts["label_smoothing"]), grad_in_forward),
+             float(chain.scale), float(consts["label_smoothing"]), grad_in_forward,
+             int(ctx.pass_option("chunk_bytes", 0) or 0)),
         )
         fused.meta["stack_trace"] = node.meta.get("stack_trace")
         fused.meta["nn_module_stack"] = node.meta.get("nn_module_stack")

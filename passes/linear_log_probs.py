@@ -232,7 +232,8 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
             h = g.call_function(operator.getitem, (h, ri))
         index = g.call_method("squeeze", (site.idx, -1))
         fused = g.call_function(torch.ops.fxfuse.linear_log_probs.default,
-                                (h, chain.weight, index, chain.bias, float(temperature), float(softcap), entropy))
+                                (h, chain.weight, index, chain.bias, float(temperature), float(softcap), entropy,
+                                 int(ctx.pass_option("chunk_bytes", 0) or 0)))
         copy_node_meta(fused, site.anchor)
         outs = [(site.logp_out, 0, site.idx if site.logp_keepdim else index)]
         if entropy:

@@ -162,6 +162,44 @@ def test_only_some_inputs_require_grad():
         assert linear_cross_entropy(h, W, y, bias=b).isfinite()
 
 
+@pytest.mark.parametrize("g", [1.0, 2.5, -0.25, float("nan")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_by_device_scalar(g, dtype, path):
+    """The in-place scaling of the saved gradients by the upstream scalar: g == 1 is skipped on the device (no
+    host check), every other factor (NaN: consumed gradients) multiplies, odd sizes included."""
+    t = torch.randn(3, 1000 + 37).to(dtype)
+    expect = (t.float() * g).to(dtype)
+    K.scale_by_device_scalar_(t, torch.tensor(g))
+    # bf16: one rounding step apart at most (the interpreter rounds fp32 -> bf16 by truncation, CUDA to nearest)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-7, atol=0)
+    torch.testing.assert_close(t, expect, equal_nan=True, **tol)
+
+
+def test_eager_backward_allocates_no_zero_grads_for_aux_outputs():
+    """The forward op's auxiliary outputs (lse, the saved gradients) are non-differentiable: eager autograd must
+    not materialise zeros of their shapes for the backward (a [V, D] zeros buffer: +1.1 GiB at Gemma-2 size)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(o, torch.Tensor):
+                    made.append((str(func), tuple(o.shape)))
+            return out
+
+    h, W, b, y = make(12, 8, 50)
+    loss = linear_cross_entropy(h, W, y)
+    with Record():
+        loss.backward()
+    allocs = [(f, s) for f, s in made if s in (tuple(W.shape), tuple(h.shape))
+              and any(k in f for k in ("zeros", "empty", "fill", "full"))]
+    assert not allocs, allocs
+    assert rel(W.grad, K.lce_reference(h, W, y)[2]) < 1e-5
+
+
 def test_backward_twice_with_grad_in_forward_raises():
     h, W, b, y = make(7, 8, 11)
     loss = linear_cross_entropy(h, W, y)

@@ -233,3 +233,21 @@ def test_second_backward_through_grad_in_forward_is_loud_not_wrong():
     # Either functionalization kept the saved gradients intact (same, correct result) or the device-side
     # consumed-flag poisoned them (NaN): never a silently different value.
     assert torch.allclose(h.grad, first) or torch.isnan(h.grad).all()
+
+
+def test_chunk_bytes_option_reaches_the_op(monkeypatch):
+    """``pass_options={"linear_cross_entropy": {"chunk_bytes": n}}`` sets the fused op's logits-chunk budget."""
+    from fxfuse.kernels import linear_cross_entropy as K
+
+    seen = []
+    real = K.lce_forward
+    monkeypatch.setattr(K, "lce_forward", lambda *a: seen.append(a[-1]) or real(*a))
+    h, W, y = _inputs()
+    budget = W.shape[0] * 4 * 3  # three fp32 rows per chunk: 13 tokens -> 5 chunks, the last one ragged
+    ref, out, gref, g = _run(FORMS["linear_mean"], h, W, y,
+                             options={"pass_options": {"linear_cross_entropy": {"chunk_bytes": budget}}})
+    _assert_fused()
+    assert seen == [budget]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, gref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

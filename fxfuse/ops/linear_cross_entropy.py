@@ -145,8 +145,7 @@ def linear_cross_entropy_scale_grads_(grad_hidden: Tensor, grad_weight: Tensor, 
     # is allowed, so the flag turns the factor into NaN on the device: loud, never silently wrong.
     g = torch.where(consumed > 0, torch.full_like(consumed, float("nan")), grad_loss.to(torch.float32))
     for t in (grad_hidden, grad_weight, grad_bias):
-        if t.numel():
-            t.mul_(g)
+        K.scale_by_device_scalar_(t, g)
     consumed.fill_(1.0)
 
 
@@ -161,6 +160,10 @@ def _setup_context(ctx, inputs, output):
      grad_hidden, grad_weight, grad_bias, chunk_bytes) = inputs
     loss, lse, gh, gw, gb, consumed = output
     ctx.mark_non_differentiable(lse, gh, gw, gb, consumed)
+    # Without this, eager autograd hands the backward a zeros tensor for every unused output: a [V, D] zeros
+    # grad_weight-sized buffer plus its fill on each backward (+1.1 GiB and 0.36 ms at Gemma-2 size on the H200;
+    # torch.compile never materialises them). Only ``loss`` is differentiable, so its grad is always defined.
+    ctx.set_materialize_grads(False)
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     ctx.in_forward = wh or ww or wb
     ctx.args = (ignore_index, reduction, softcap, scale, label_smoothing)

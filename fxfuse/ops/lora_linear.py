@@ -111,6 +111,7 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, A, B, seeds, ranks, scalings, dropout_p = inputs
     _y, V = output
     ctx.mark_non_differentiable(V)
+    ctx.set_materialize_grads(False)  # no zeros [N, R] grad for the saved activation V (y's is always defined)
     ctx.args = (list(ranks), list(scalings), list(dropout_p))
     ctx.flags = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad,
                  A.requires_grad, B.requires_grad)

@@ -148,6 +148,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, mask, out, lse)
     ctx.args = (scaling, softcap, causal, window)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zeros [B, H, S] grad for the auxiliary lse (out's is always defined)
 
 
 def _backward(ctx, dout, dlse):
