@@ -48,6 +48,10 @@ def check():
         (1000, 320, 200, (16,), (0.1,), True, torch.float32),
         (333, 96, 80, (4, 8), (0.2, 0.0), False, torch.float32),
         (256, 128, 64, (16,), (0.1,), False, torch.float16),
+        # PEFT's fp32 adapters on a bf16 model (get_peft_model's default): A is rounded inside the kernels
+        (777, 4096, 1030, (16,), (0.05,), False, torch.bfloat16, torch.float32),
+        (1000, 320, 200, (16,), (0.1,), True, torch.bfloat16, torch.float32),
+        (513, 200, 300, (8, 16), (0.0, 0.3), True, torch.bfloat16, torch.float32),
     ]
     if SMOKE:
         cases = cases[:2]
@@ -59,13 +63,14 @@ def check():
             traceback.print_exc()
 
 
-def _check_case(N, din, dout, ranks, ps, has_bias, dt):
+def _check_case(N, din, dout, ranks, ps, has_bias, dt, adt=None):
+    adt = adt or dt
     torch.manual_seed(0)
     x = torch.randn(N, din, device=DEV, dtype=dt, requires_grad=True)
     W = (torch.randn(dout, din, device=DEV) / din ** 0.5).to(dt)
     b = torch.randn(dout, device=DEV, dtype=dt) if has_bias else None
-    As = [(torch.randn(r, din, device=DEV) / din ** 0.5).to(dt).requires_grad_() for r in ranks]
-    Bs = [(torch.randn(dout, r, device=DEV) / r ** 0.5).to(dt).requires_grad_() for r in ranks]
+    As = [(torch.randn(r, din, device=DEV) / din ** 0.5).to(adt).requires_grad_() for r in ranks]
+    Bs = [(torch.randn(dout, r, device=DEV) / r ** 0.5).to(adt).requires_grad_() for r in ranks]
     ss = [2.0 / (i + 1) for i in range(len(ranks))]
     st = _rng_state()
     if DEV == "cuda":  # the op must not synchronise with the host (forward and backward)
@@ -89,7 +94,7 @@ def _check_case(N, din, dout, ranks, ps, has_bias, dt):
     keep = [round(m.float().mean().item(), 4) for m in masks if m is not None]
     tol = 1e-2 if dt != torch.float32 else 1e-4
     emit(section="lora_check", N=N, din=din, dout=dout, ranks=list(ranks), dropout=list(ps), bias=has_bias,
-         dtype=str(dt), errors=errs, keep_fraction=keep, ok=all(v < tol for v in errs.values()))
+         dtype=str(dt), adapter_dtype=str(adt), errors=errs, keep_fraction=keep, ok=all(v < tol for v in errs.values()))
 
 
 # ------------------------------------------------------------------------------------------------ timing

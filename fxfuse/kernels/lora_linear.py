@@ -145,8 +145,8 @@ if HAVE_TRITON:
                          mask=(rr < R)[None, :] & (cols < DIN)[:, None], other=0.0)   # [BK, RP] = A.T tile
             if DOT_F32:  # the interpreter's bf16 tl.dot is wrong (DESIGN.md sec. 4)
                 acc += tl.dot(x.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(x, at)
+            else:  # A may be wider than x (PEFT's fp32 adapters): rounded to x's dtype here, not by a cast kernel
+                acc += tl.dot(x, at.to(x_ptr.dtype.element_ty))
         acc = acc * inv_keep
         tl.store(v_ptr + rows[:, None] * stride_v + rr[None, :], acc.to(v_ptr.dtype.element_ty),
                  mask=(rows < N)[:, None] & (rr < R)[None, :])
@@ -187,7 +187,7 @@ if HAVE_TRITON:
                 if DOT_F32:
                     t = tl.dot(gv.to(tl.float32), a.to(tl.float32), input_precision="ieee")
                 else:
-                    t = tl.dot(gv, a)
+                    t = tl.dot(gv, a.to(gv_ptr.dtype.element_ty))  # A may be fp32: rounded here
                 t = tl.where(keep, t * inv_keep, 0.0)
                 c_ptrs = c_ptr + rows[:, None] * stride_c + cols[None, :]
                 if ACCUMULATE:
@@ -250,6 +250,8 @@ def _scaled_b(B: torch.Tensor, ranks, scalings, dtype: torch.dtype) -> torch.Ten
     adapters are fp32 on a bf16 base). Python-float multiplies only: building an [R] scaling tensor on the device
     from a Python list is a pageable host-to-device copy, i.e. a stream sync per call."""
     out = torch.empty(B.shape, dtype=dtype, device=B.device)
+    if len(ranks) == 1:
+        return torch.mul(B, float(scalings[0]), out=out)
     for o, r, s in zip(_offsets(ranks), ranks, scalings):
         torch.mul(B[:, o:o + r], float(s), out=out[:, o:o + r])
     return out
@@ -283,18 +285,20 @@ def lora_forward(x, weight, bias, A, B, ranks, scalings, dropout_p, seeds):
     """x [N, din] -> (y [N, dout], V [N, R]). ``seeds`` [n_adapters] int64 (ignored where p == 0). A / B may be
     wider than x (fp32 adapters on a bf16 base): the matmuls run in x's dtype with fp32 accumulation."""
     N = x.shape[0]
-    A = _compute_dtype(A, x.dtype)
     R = A.shape[0]
-    offs = _offsets(ranks)
     if all(p == 0 for p in dropout_p):
-        V = torch.mm(x, A.t())
+        V = torch.mm(x, _compute_dtype(A, x.dtype).t())
+    elif len(ranks) == 1:  # the common case, without per-adapter slicing (host time matters: lora_notes.md)
+        V = x.new_empty((N, R))
+        _down_dropout(x, A if _use_triton(x) else _compute_dtype(A, x.dtype), V, seeds, dropout_p[0])
     else:
         V = x.new_empty((N, R))
-        for i, (o, r, p) in enumerate(zip(offs, ranks, dropout_p)):
+        Ac = _compute_dtype(A, x.dtype)
+        for i, (o, r, p) in enumerate(zip(_offsets(ranks), ranks, dropout_p)):
             if p == 0:
-                V[:, o:o + r] = x @ A[o:o + r].t()
+                V[:, o:o + r] = x @ Ac[o:o + r].t()
             else:
-                _down_dropout(x, A[o:o + r], V[:, o:o + r], seeds[i:i + 1], p)
+                _down_dropout(x, Ac[o:o + r], V[:, o:o + r], seeds[i:i + 1], p)
     Bs = _scaled_b(B, ranks, scalings, x.dtype)
     # The low-rank product is the C operand of the base GEMM: cuBLAS adds it in its epilogue.
     C = torch.addmm(bias, V, Bs.t()) if bias is not None else torch.mm(V, Bs.t())
@@ -346,7 +350,9 @@ def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
     gA / gB come back in A / B's dtype (fp32 adapters: accumulated in fp32 and returned without a bf16 round)."""
     N, din = x.shape
     empty = lambda: x.new_empty(0)  # noqa: E731  (distinct tensors: custom_op outputs must not alias)
-    Ac = _compute_dtype(A, x.dtype)
+    # The dropout kernel reads A in its own dtype (rounded in registers); the cuBLAS paths need it in x's.
+    kernel_reads_a = _use_triton(x) and all(p > 0 for p in dropout_p)
+    Ac = A if kernel_reads_a else _compute_dtype(A, x.dtype)
     Bs = _scaled_b(B, ranks, scalings, x.dtype)
     offs = _offsets(ranks)
     gx = gw = gbias = ga = gb = None
@@ -359,8 +365,11 @@ def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
     if need_gb:
         g16 = gy.t() @ V
         gb = torch.empty(B.shape, dtype=B.dtype, device=B.device)
-        for o, r, s in zip(offs, ranks, scalings):
-            torch.mul(g16[:, o:o + r], float(s), out=gb[:, o:o + r])
+        if len(ranks) == 1:
+            torch.mul(g16, float(scalings[0]), out=gb)
+        else:
+            for o, r, s in zip(offs, ranks, scalings):
+                torch.mul(g16[:, o:o + r], float(s), out=gb[:, o:o + r])
     C2 = None
     if need_gv:
         if all(p == 0 for p in dropout_p):
@@ -372,7 +381,9 @@ def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
             C2 = x.new_empty((N, din)) if need_gx else None
             ga32 = torch.zeros((A.shape[0], din), dtype=torch.float32, device=x.device) if need_ga else None
             first = True
-            for i, (o, r, p) in enumerate(zip(offs, ranks, dropout_p)):
+            if len(ranks) == 1:  # no per-adapter slicing (host time)
+                _up_dropout_bwd(gV, Ac, x, C2, ga32, seeds, dropout_p[0], need_gx, False)
+            for i, (o, r, p) in enumerate(zip(offs, ranks, dropout_p) if len(ranks) > 1 else ()):
                 gV_i = gV[:, o:o + r]
                 if p == 0:
                     if need_gx:

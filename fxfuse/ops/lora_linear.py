@@ -76,29 +76,47 @@ def _check_lora_linear(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
         c.dim_eq("bias", 0, "weight", 0)
 
 
-# ================================================================================================ forward op
-@torch.library.custom_op("fxfuse::lora_linear_fwd", mutates_args=())
-def lora_linear_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], A: Tensor, B: Tensor, seeds: Tensor,
-                    ranks: List[int], scalings: List[float], dropout_p: List[float]) -> Tuple[Tensor, Tensor]:
+# ================================================================================================ fwd / bwd ops
+# Defined with the low-level ``torch.library.Library`` API rather than ``torch.library.custom_op``: the op runs
+# 113 times per forward and per backward in a LoRA'd 1B model, and custom_op's Python layers (autograd wrapper,
+# redispatch, dynamo-disable, alias checks) cost more host time per call than the small k/v-projection kernels
+# take on the GPU (benchmarks/lora_notes.md, "host overhead"). Same schema, fake impls and autograd formula.
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define(
+    "lora_linear_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor A, Tensor B, Tensor seeds, int[] ranks, "
+    "float[] scalings, float[] dropout_p) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "lora_linear_bwd(Tensor gy, Tensor x, Tensor weight, Tensor A, Tensor B, Tensor V, Tensor seeds, int[] ranks, "
+    "float[] scalings, float[] dropout_p, bool need_gx, bool need_gw, bool need_gbias, bool need_ga, "
+    "bool need_gb) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _lora_linear_fwd_impl(x: Tensor, weight: Tensor, bias: Optional[Tensor], A: Tensor, B: Tensor, seeds: Tensor,
+                          ranks: List[int], scalings: List[float], dropout_p: List[float]) -> Tuple[Tensor, Tensor]:
     return K.lora_forward(x, weight, bias, A, B, list(ranks), list(scalings), list(dropout_p), seeds)
 
 
-@lora_linear_fwd.register_fake
-def _(x, weight, bias, A, B, seeds, ranks, scalings, dropout_p):
-    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], A.shape[0]))
-
-
-# ================================================================================================ backward op
-@torch.library.custom_op("fxfuse::lora_linear_bwd", mutates_args=())
-def lora_linear_bwd(gy: Tensor, x: Tensor, weight: Tensor, A: Tensor, B: Tensor, V: Tensor, seeds: Tensor,
-                    ranks: List[int], scalings: List[float], dropout_p: List[float], need_gx: bool, need_gw: bool,
-                    need_gbias: bool, need_ga: bool, need_gb: bool
-                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _lora_linear_bwd_impl(gy: Tensor, x: Tensor, weight: Tensor, A: Tensor, B: Tensor, V: Tensor, seeds: Tensor,
+                          ranks: List[int], scalings: List[float], dropout_p: List[float], need_gx: bool,
+                          need_gw: bool, need_gbias: bool, need_ga: bool, need_gb: bool
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return K.lora_backward(gy.contiguous(), x, weight, A, B, V, seeds, list(ranks), list(scalings),
                            list(dropout_p), need_gx, need_gw, need_gbias, need_ga, need_gb)
 
 
-@lora_linear_bwd.register_fake
+for _key in ("CPU", "CUDA"):
+    _lib.impl("lora_linear_fwd", _lora_linear_fwd_impl, _key)
+    _lib.impl("lora_linear_bwd", _lora_linear_bwd_impl, _key)
+
+
+@torch.library.register_fake("fxfuse::lora_linear_fwd", lib=_lib)
+def _(x, weight, bias, A, B, seeds, ranks, scalings, dropout_p):
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], A.shape[0]))
+
+
+@torch.library.register_fake("fxfuse::lora_linear_bwd", lib=_lib)
 def _(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p, need_gx, need_gw, need_gbias, need_ga, need_gb):
     e = lambda: x.new_empty(0)  # noqa: E731
     return (x.new_empty(x.shape) if need_gx else e(), weight.new_empty(weight.shape) if need_gw else e(),
@@ -128,11 +146,10 @@ def _backward(ctx, gy, _gV):
             gb if fb else None, None, None, None, None)
 
 
-lora_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("fxfuse::lora_linear_fwd", _backward, setup_context=_setup_context, lib=_lib)
 
 
 # ================================================================================================ one-node op
-_lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define(
     "lora_linear(Tensor x, Tensor weight, Tensor? bias, Tensor[] lora_a, Tensor[] lora_b, float[] scaling, "
     "float[] dropout_p) -> Tensor"
