@@ -24,7 +24,7 @@ projection; the report says so. Not fused, with the reason in the report: class 
 Pass options (``pass_options={"linear_cross_entropy": {...}}``): ``logits``: ``"lazy"`` (default) or
 ``"materialize"`` (return real logits; the projection is then computed for them); ``chunk_bytes``: the op's
 logits-chunk budget in bytes (default 256 MiB; larger chunks are faster for big vocabularies, e.g. 1 GiB saves
-~7 ms per 8192 tokens on a Gemma-2 head, see benchmarks/lce_notes.md; 16 MiB is the min-memory setting).
+~8 ms per 8192 tokens on a Gemma-2 head, see benchmarks/lce_notes.md; 16 MiB is the min-memory setting).
 """
 from __future__ import annotations
 

@@ -250,8 +250,6 @@ def _scaled_b(B: torch.Tensor, ranks, scalings, dtype: torch.dtype) -> torch.Ten
     adapters are fp32 on a bf16 base). Python-float multiplies only: building an [R] scaling tensor on the device
     from a Python list is a pageable host-to-device copy, i.e. a stream sync per call."""
     out = torch.empty(B.shape, dtype=dtype, device=B.device)
-    if len(ranks) == 1:
-        return torch.mul(B, float(scalings[0]), out=out)
     for o, r, s in zip(_offsets(ranks), ranks, scalings):
         torch.mul(B[:, o:o + r], float(s), out=out[:, o:o + r])
     return out
@@ -259,6 +257,12 @@ def _scaled_b(B: torch.Tensor, ranks, scalings, dtype: torch.dtype) -> torch.Ten
 
 def _compute_dtype(A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return A if A.dtype == dtype else A.to(dtype)
+
+
+def _dropout_kernel_a(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A as the dropout paths take it: the Triton kernels read wider adapters (PEFT's fp32 A on a bf16 base) as
+    they are and round them in registers, which saves a cast kernel per call; the PyTorch path needs x's dtype."""
+    return A if _use_triton(x) else _compute_dtype(A, x.dtype)
 
 
 # ================================================================================================ forward
@@ -288,17 +292,14 @@ def lora_forward(x, weight, bias, A, B, ranks, scalings, dropout_p, seeds):
     R = A.shape[0]
     if all(p == 0 for p in dropout_p):
         V = torch.mm(x, _compute_dtype(A, x.dtype).t())
-    elif len(ranks) == 1:  # the common case, without per-adapter slicing (host time matters: lora_notes.md)
-        V = x.new_empty((N, R))
-        _down_dropout(x, A if _use_triton(x) else _compute_dtype(A, x.dtype), V, seeds, dropout_p[0])
     else:
         V = x.new_empty((N, R))
-        Ac = _compute_dtype(A, x.dtype)
+        Ak = _dropout_kernel_a(A, x)
         for i, (o, r, p) in enumerate(zip(_offsets(ranks), ranks, dropout_p)):
             if p == 0:
-                V[:, o:o + r] = x @ Ac[o:o + r].t()
+                V[:, o:o + r] = x @ _compute_dtype(Ak[o:o + r], x.dtype).t()
             else:
-                _down_dropout(x, Ac[o:o + r], V[:, o:o + r], seeds[i:i + 1], p)
+                _down_dropout(x, Ak[o:o + r], V[:, o:o + r], seeds[i:i + 1], p)
     Bs = _scaled_b(B, ranks, scalings, x.dtype)
     # The low-rank product is the C operand of the base GEMM: cuBLAS adds it in its epilogue.
     C = torch.addmm(bias, V, Bs.t()) if bias is not None else torch.mm(V, Bs.t())
@@ -350,9 +351,6 @@ def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
     gA / gB come back in A / B's dtype (fp32 adapters: accumulated in fp32 and returned without a bf16 round)."""
     N, din = x.shape
     empty = lambda: x.new_empty(0)  # noqa: E731  (distinct tensors: custom_op outputs must not alias)
-    # The dropout kernel reads A in its own dtype (rounded in registers); the cuBLAS paths need it in x's.
-    kernel_reads_a = _use_triton(x) and all(p > 0 for p in dropout_p)
-    Ac = A if kernel_reads_a else _compute_dtype(A, x.dtype)
     Bs = _scaled_b(B, ranks, scalings, x.dtype)
     offs = _offsets(ranks)
     gx = gw = gbias = ga = gb = None
@@ -365,14 +363,12 @@ def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
     if need_gb:
         g16 = gy.t() @ V
         gb = torch.empty(B.shape, dtype=B.dtype, device=B.device)
-        if len(ranks) == 1:
-            torch.mul(g16, float(scalings[0]), out=gb)
-        else:
-            for o, r, s in zip(offs, ranks, scalings):
-                torch.mul(g16[:, o:o + r], float(s), out=gb[:, o:o + r])
+        for o, r, s in zip(offs, ranks, scalings):
+            torch.mul(g16[:, o:o + r], float(s), out=gb[:, o:o + r])
     C2 = None
     if need_gv:
         if all(p == 0 for p in dropout_p):
+            Ac = _compute_dtype(A, x.dtype)
             if need_gx:
                 C2 = gV @ Ac
             if need_ga:
@@ -381,20 +377,20 @@ def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
             C2 = x.new_empty((N, din)) if need_gx else None
             ga32 = torch.zeros((A.shape[0], din), dtype=torch.float32, device=x.device) if need_ga else None
             first = True
-            if len(ranks) == 1:  # no per-adapter slicing (host time)
-                _up_dropout_bwd(gV, Ac, x, C2, ga32, seeds, dropout_p[0], need_gx, False)
-            for i, (o, r, p) in enumerate(zip(offs, ranks, dropout_p) if len(ranks) > 1 else ()):
+            Ak = _dropout_kernel_a(A, x)
+            for i, (o, r, p) in enumerate(zip(offs, ranks, dropout_p)):
                 gV_i = gV[:, o:o + r]
                 if p == 0:
+                    A_i = _compute_dtype(Ak[o:o + r], x.dtype)
                     if need_gx:
                         if first:
-                            torch.mm(gV_i, Ac[o:o + r], out=C2)
+                            torch.mm(gV_i, A_i, out=C2)
                         else:
-                            C2.addmm_(gV_i, Ac[o:o + r])
+                            C2.addmm_(gV_i, A_i)
                     if need_ga:
                         ga32[o:o + r] = gV_i.t() @ x
                 else:
-                    _up_dropout_bwd(gV_i, Ac[o:o + r], x, C2, ga32[o:o + r] if need_ga else None, seeds[i:i + 1],
+                    _up_dropout_bwd(gV_i, Ak[o:o + r], x, C2, ga32[o:o + r] if need_ga else None, seeds[i:i + 1],
                                     p, need_gx, need_gx and not first)
                 first = False
             if need_ga:

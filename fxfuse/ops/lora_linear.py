@@ -106,9 +106,9 @@ def _lora_linear_bwd_impl(gy: Tensor, x: Tensor, weight: Tensor, A: Tensor, B: T
                            list(dropout_p), need_gx, need_gw, need_gbias, need_ga, need_gb)
 
 
-for _key in ("CPU", "CUDA"):
-    _lib.impl("lora_linear_fwd", _lora_linear_fwd_impl, _key)
-    _lib.impl("lora_linear_bwd", _lora_linear_bwd_impl, _key)
+# One real impl for every device (the kernels pick Triton or PyTorch per tensor), as custom_op registered it.
+_lib.impl("lora_linear_fwd", _lora_linear_fwd_impl, "CompositeExplicitAutograd")
+_lib.impl("lora_linear_bwd", _lora_linear_bwd_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fxfuse::lora_linear_fwd", lib=_lib)
