@@ -39,7 +39,7 @@ from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hi
 from fxfuse.lazy import LazyLogits, apply_recipe
 from fxfuse.registry import register_pass
 
-from ._logit_chain import LogitChain, match_logit_chain
+from ._logit_chain import LogitChain, chunk_bytes_option, match_logit_chain
 
 NAME = "linear_cross_entropy"
 _DEFAULTS = {"cross_entropy": dict(weight=None, size_average=None, reduce=None, ignore_index=-100,
@@ -180,7 +180,7 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
             torch.ops.fxfuse.linear_cross_entropy.default,
             (h, w, target, chain.bias, int(consts["ignore_index"]), reduction, float(chain.softcap),
              float(chain.scale), float(consts["label_smoothing"]), grad_in_forward,
-             int(ctx.pass_option("chunk_bytes", 0) or 0)),
+             chunk_bytes_option(ctx)),
         )
         fused.meta["stack_trace"] = node.meta.get("stack_trace")
         fused.meta["nn_module_stack"] = node.meta.get("nn_module_stack")

@@ -38,7 +38,7 @@ import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.li
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._logit_chain import LogitChain, match_logit_chain
+from ._logit_chain import LogitChain, chunk_bytes_option, match_logit_chain
 from ._row_loops import fold_row_loops
 
 NAME = "linear_log_probs"
@@ -233,7 +233,7 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
         index = g.call_method("squeeze", (site.idx, -1))
         fused = g.call_function(torch.ops.fxfuse.linear_log_probs.default,
                                 (h, chain.weight, index, chain.bias, float(temperature), float(softcap), entropy,
-                                 int(ctx.pass_option("chunk_bytes", 0) or 0)))
+                                 chunk_bytes_option(ctx)))
         copy_node_meta(fused, site.anchor)
         outs = [(site.logp_out, 0, site.idx if site.logp_keepdim else index)]
         if entropy:

@@ -251,3 +251,13 @@ def test_chunk_bytes_option_reaches_the_op(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(g, gref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_chunk_bytes_option_rolls_back_with_reason():
+    h, W, y = _inputs()
+    fn = torch.compile(FORMS["linear_mean"], backend="fxfuse",
+                       options={**AOT, "pass_options": {"linear_cross_entropy": {"chunk_bytes": "big"}}})
+    torch.testing.assert_close(fn(h, W, y), FORMS["linear_mean"](h, W, y))  # Inductor's result, not a crash
+    rep = fxfuse.report()
+    assert not [r for r in rep.fused if r.pass_name == "linear_cross_entropy"], str(rep)
+    assert any("chunk_bytes'] must be a non-negative int" in r.reason for r in rep.rolled_back), str(rep)
