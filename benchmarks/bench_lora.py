@@ -7,7 +7,7 @@ on a bias-free bf16 Linear, r16, alpha 32, lora weights ~N(0, 0.02), x [16384, 4
 so the rows compare with DESIGN.md sec. 5. Extra rows: the op called directly; per-kernel profile; launch-setting
 sweeps of the two dropout kernels (section ``tune``).
 
-Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_lora.py [check] [time]
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_lora.py [check] [check-groups] [time] [time-groups] [tune]
 Writes $OUT/bench_lora.jsonl and prints rows. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
@@ -217,52 +217,167 @@ def profile():
                 emit(section="lora_alt", what=name, error=f"{type(e).__name__}: {e}"[:300])
 
 
-def _dropout_kernel_inputs(N, din, r):
-    """x, A, V, gV, C, gA (fp32, as the backward accumulates it), seed for timing the two dropout kernels alone."""
+def _dropout_kernel_inputs(N, din, r, na=1):
+    """x, A, V, gV, C, gA (fp32, as the backward accumulates it), seeds for timing the two dropout kernels alone
+    on a run of ``na`` adapters (q/k/v after horizontal fusion: 3)."""
     bf = dict(device=DEV, dtype=torch.bfloat16)
-    return (torch.randn(N, din, **bf), torch.randn(r, din, **bf) * 0.02, torch.empty(N, r, **bf),
-            torch.randn(N, r, **bf), torch.empty(N, din, **bf),
-            torch.zeros(r, din, device=DEV, dtype=torch.float32), K.draw_seeds(1, DEV))
+    return (torch.randn(N, din, **bf), torch.randn(na * r, din, **bf) * 0.02, torch.empty(N, na * r, **bf),
+            torch.randn(N, na * r, **bf), torch.empty(N, din, **bf),
+            torch.zeros(na * r, din, device=DEV, dtype=torch.float32), K.draw_seeds(na, DEV))
+
+
+def _down(x, A, V, seeds, na, r):
+    return lambda: K._down_dropout(x, A, V, seeds, na, r, 2.0, 0.05)
+
+
+def _up_bwd(gV, A, x, C, gA, seeds, na, r):
+    return lambda: K._up_dropout_bwd(gV, A, x, C, gA, seeds, na, r, 2.0, 0.05, True, False)
 
 
 def tune(sweep_launch=False):
-    """The two dropout kernels alone: mask-generation variants (Philox rounds, word expansion) at the q_proj and the
-    e2e (Llama-3.2-1B, 4x2048) shapes, and optionally a launch-setting sweep at the q_proj shape."""
+    """The two dropout kernels alone, on runs of 1 / 2 / 3 adapters: time against cuBLAS ``x @ A.T`` at the q_proj
+    and the e2e (Llama-3.2-1B, 4x2048) shapes, and optionally a launch-setting sweep."""
     r = 16
     shapes = [(16384, 4096), (8192, 2048), (8192, 8192)] if not SMOKE else [(256, 64)]
-    default_mask = dict(K.MASK_CONFIG)
     for N, din in shapes:
-        x, A, V, gV, C, gA, seed = _dropout_kernel_inputs(N, din, r)
-        with torch.no_grad():
-            ms_mm, _ = bench(lambda: x @ A.t())
-        emit(section="lora_tune", shape=[N, din], kernel="cuBLAS x @ A.T (no dropout)", ms=round(ms_mm, 4))
-        for rounds, expand in ((10, 0), (10, 1), (7, 0), (7, 1)):
-            K.MASK_CONFIG = dict(ROUNDS=rounds, EXPAND=expand)
-            for what, fn in (("down", lambda: K._down_dropout(x, A, V, seed, 0.05)),
-                             ("up_bwd both", lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, True, False))):
+        for na in (1, 2, 3):
+            x, A, V, gV, C, gA, seeds = _dropout_kernel_inputs(N, din, r, na)
+            with torch.no_grad():
+                ms_mm, _ = bench(lambda: x @ A.t())
+            emit(section="lora_tune", shape=[N, din], adapters=na, kernel="cuBLAS x @ A.T (no dropout)",
+                 ms=round(ms_mm, 4))
+            for what, fn in (("down", _down(x, A, V, seeds, na, r)), ("up_bwd both", _up_bwd(gV, A, x, C, gA, seeds, na, r))):
                 try:
                     ms, _ = bench(fn)
-                    emit(section="lora_tune", shape=[N, din], kernel=what, mask=K.MASK_CONFIG, ms=round(ms, 4))
+                    emit(section="lora_tune", shape=[N, din], adapters=na, kernel=what, cfg=K.DOWN_CONFIG
+                         if what == "down" else K.UP_BWD_CONFIG, ms=round(ms, 4))
                 except Exception as e:
-                    emit(section="lora_tune", shape=[N, din], kernel=what, mask=K.MASK_CONFIG,
+                    emit(section="lora_tune", shape=[N, din], adapters=na, kernel=what,
                          error=f"{type(e).__name__}: {e}"[:200])
-        K.MASK_CONFIG = dict(default_mask)
+                    traceback.print_exc()
     if not sweep_launch:
         return
     default_down, default_up = dict(K.DOWN_CONFIG), dict(K.UP_BWD_CONFIG)
-    for N, din in shapes:
-        x, A, V, gV, C, gA, seed = _dropout_kernel_inputs(N, din, r)
-        for BM, BK, nw, ns in ((32, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3), (16, 128, 4, 4), (32, 256, 4, 3),
-                               (64, 128, 4, 3), (32, 128, 8, 4)):
-            K.DOWN_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
-            ms, _ = bench(lambda: K._down_dropout(x, A, V, seed, 0.05))
-            emit(section="lora_tune", shape=[N, din], kernel="down", cfg=K.DOWN_CONFIG, ms=round(ms, 4))
-        for BM, BK, nw, ns in ((64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 3),
-                               (64, 256, 8, 3), (64, 128, 8, 3), (128, 64, 4, 3)):
-            K.UP_BWD_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
-            ms, _ = bench(lambda: K._up_dropout_bwd(gV, A, x, C, gA, seed, 0.05, True, False))
-            emit(section="lora_tune", shape=[N, din], kernel="up_bwd both", cfg=K.UP_BWD_CONFIG, ms=round(ms, 4))
-    K.DOWN_CONFIG, K.UP_BWD_CONFIG = default_down, default_up
+    for N, din in shapes[1:] if not SMOKE else shapes:
+        for na in (1, 3):
+            x, A, V, gV, C, gA, seeds = _dropout_kernel_inputs(N, din, r, na)
+            for BM, BK, nw, ns in ((32, 128, 4, 4), (64, 64, 4, 3), (32, 64, 4, 3), (16, 128, 4, 4),
+                                   (64, 128, 4, 3), (32, 128, 8, 4), (64, 64, 8, 3)):
+                K.DOWN_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
+                ms, _ = bench(_down(x, A, V, seeds, na, r))
+                emit(section="lora_tune", shape=[N, din], adapters=na, kernel="down", cfg=K.DOWN_CONFIG,
+                     ms=round(ms, 4))
+            for BM, BK, nw, ns in ((32, 128, 4, 3), (64, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 128, 4, 3),
+                                   (32, 128, 8, 3), (64, 128, 8, 3), (32, 256, 8, 3)):
+                K.UP_BWD_CONFIG = dict(BM=BM, BK=BK, num_warps=nw, num_stages=ns)
+                ms, _ = bench(_up_bwd(gV, A, x, C, gA, seeds, na, r))
+                emit(section="lora_tune", shape=[N, din], adapters=na, kernel="up_bwd both", cfg=K.UP_BWD_CONFIG,
+                     ms=round(ms, 4))
+            K.DOWN_CONFIG, K.UP_BWD_CONFIG = dict(default_down), dict(default_up)
+
+
+# ------------------------------------------------------------------------------------------------ sibling groups
+def check_groups():
+    """lora_linear_group on the GPU against float64 per-projection references (same masks), no host sync."""
+    from fxfuse.ops.lora_linear import lora_linear_group
+
+    cases = [  # N, din, douts, r, p, bias on, dtype, adapter dtype
+        (1000, 320, (200, 64, 64), 16, 0.1, (), torch.bfloat16, torch.bfloat16),
+        (777, 2048, (2048, 512, 512), 16, 0.05, (0, 1, 2), torch.bfloat16, torch.float32),
+        (513, 2048, (1030, 1030), 16, 0.05, (), torch.bfloat16, torch.float32),
+        (333, 96, (80, 40, 40), 8, 0.2, (1,), torch.float32, torch.float32),
+        (600, 256, (256, 128), 16, 0.0, (), torch.bfloat16, torch.float32),
+    ]
+    if SMOKE:
+        cases = cases[:1]
+    for N, din, douts, r, p, biases, dt, adt in cases:
+        try:
+            torch.manual_seed(0)
+            x = torch.randn(N, din, device=DEV, dtype=dt, requires_grad=True)
+            Ws = [(torch.randn(d, din, device=DEV) / din ** 0.5).to(dt) for d in douts]
+            bs = [torch.randn(d, device=DEV, dtype=dt) if j in biases else None for j, d in enumerate(douts)]
+            As = [[(torch.randn(r, din, device=DEV) / din ** 0.5).to(adt).requires_grad_()] for _ in douts]
+            Bs = [[(torch.randn(d, r, device=DEV) / r ** 0.5).to(adt).requires_grad_()] for d in douts]
+            st = _rng_state()
+            if DEV == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                ys = lora_linear_group(x, Ws, As, Bs, [[2.0]] * len(douts), biases=bs, dropout_p=[[p]] * len(douts))
+                gos = [torch.randn_like(y) for y in ys]
+                leaves = [x] + [a[0] for a in As] + [b[0] for b in Bs]
+                gs = torch.autograd.grad(ys, leaves, gos)
+            finally:
+                if DEV == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+            _set_rng_state(st)
+            seeds = K.draw_seeds(len(douts), DEV) if p > 0 else None
+            masks = [lora_dropout_keep_mask(seeds[j], N, din, p, DEV) if p > 0 else None for j in range(len(douts))]
+            d = lambda t: t.detach().double().requires_grad_()  # noqa: E731
+            xr, Ar, Br = d(x), [d(a[0]) for a in As], [d(b[0]) for b in Bs]
+            yrs = [K.lora_reference(xr, Ws[j].double(), bs[j].double() if bs[j] is not None else None, [Ar[j]],
+                                    [Br[j]], [2.0], [masks[j]], [p]) for j in range(len(douts))]
+            gr = torch.autograd.grad(yrs, [xr] + Ar + Br, [g.double() for g in gos])
+            errs = {f"y{j}": rel(y, yr) for j, (y, yr) in enumerate(zip(ys, yrs))}
+            names = ["x"] + [f"A{j}" for j in range(len(douts))] + [f"B{j}" for j in range(len(douts))]
+            errs.update({f"g{n}": rel(a, r_) for n, a, r_ in zip(names, gs, gr)})
+            tol = 1e-2 if dt != torch.float32 else 1e-4
+            emit(section="lora_group_check", N=N, din=din, douts=list(douts), r=r, dropout=p, biases=list(biases),
+                 dtype=str(dt), adapter_dtype=str(adt), errors=errs, ok=all(v < tol for v in errs.values()))
+        except Exception as e:
+            emit(section="lora_group_check", case=str((N, din, douts)), error=f"{type(e).__name__}: {e}"[:400],
+                 ok=False)
+            traceback.print_exc()
+
+
+def time_groups():
+    """Llama-3.2-1B's q/k/v (2048 -> 2048 / 512 / 512) and gate/up (2048 -> 8192 x 2) at the e2e token count (4 x
+    2048), r16, fwd+bwd: the base GEMMs alone (floor), one lora_linear per projection, one lora_linear_group."""
+    from fxfuse.ops.lora_linear import lora_linear_group
+
+    cases = [("q/k/v 2048->2048/512/512 r16", 8192, 2048, (2048, 512, 512)),
+             ("gate/up 2048->8192x2 r16", 8192, 2048, (8192, 8192))]
+    if SMOKE:
+        cases = [("tiny", 256, 64, (96, 32))]
+    r = 16
+    for name, N, din, douts in cases:
+        for p in (0.0, 0.05):
+            torch.manual_seed(0)
+            x = torch.randn(N, din, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            Ws = [torch.randn(d, din, device=DEV, dtype=torch.bfloat16) / din ** 0.5 for d in douts]
+            As = [(torch.randn(r, din, device=DEV) * 0.02).requires_grad_() for _ in douts]  # PEFT's fp32 adapters
+            Bs = [(torch.randn(d, r, device=DEV) * 0.02).requires_grad_() for d in douts]
+            gos = [torch.randn(N, d, device=DEV, dtype=torch.bfloat16) for d in douts]
+            params = [x] + As + Bs
+
+            def clear():
+                for t in params:
+                    t.grad = None
+
+            def base():
+                x.grad = None
+                ys = [torch.nn.functional.linear(x, W) for W in Ws]
+                torch.autograd.backward(ys, gos)
+
+            def separate():
+                clear()
+                ys = [lora_linear(x, W, A, B, 2.0, dropout_p=p) for W, A, B in zip(Ws, As, Bs)]
+                torch.autograd.backward(ys, gos)
+
+            def group():
+                clear()
+                ys = lora_linear_group(x, Ws, [[A] for A in As], [[B] for B in Bs], [[2.0]] * len(douts),
+                                       dropout_p=[[p]] * len(douts))
+                torch.autograd.backward(ys, gos)
+
+            for iname, fn in (("base GEMMs only (floor)", base), ("lora_linear per projection", separate),
+                              ("lora_linear_group", group)):
+                try:
+                    ms, mem = bench(fn)
+                    emit(section="lora_group", shape=name, dropout=p, impl=iname, ms=round(ms, 3),
+                         peak_gib=round(mem, 3))
+                except Exception as e:
+                    emit(section="lora_group", shape=name, dropout=p, impl=iname, error=f"{type(e).__name__}: {e}"[:300])
+                    traceback.print_exc()
 
 
 if __name__ == "__main__":
@@ -275,5 +390,9 @@ if __name__ == "__main__":
         profile()
     if "tune" in secs or "tune-launch" in secs:
         tune(sweep_launch="tune-launch" in secs)
+    if "check-groups" in secs:
+        check_groups()
+    if "time-groups" in secs:
+        time_groups()
     if "time" in secs:
         time_layers()

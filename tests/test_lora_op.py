@@ -160,3 +160,112 @@ def test_checkpointed_recompute_uses_the_forward_mask():
         got = run(torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False)))
     for a, r in zip(got, ref):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ sibling groups
+def _group_inputs(N, din, douts, ranks, dtype, adapter_dtype=None, biases=(), trainable_w=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    adt = adapter_dtype or dtype
+    x = torch.randn(N, din, generator=g).to(dtype).requires_grad_()
+    Ws = [(torch.randn(d, din, generator=g) / din ** 0.5).to(dtype).requires_grad_(trainable_w) for d in douts]
+    bs = [torch.randn(d, generator=g).to(dtype).requires_grad_(trainable_w) if j in biases else None
+          for j, d in enumerate(douts)]
+    As = [[(torch.randn(r, din, generator=g) / din ** 0.5).to(adt).requires_grad_() for r in rs] for rs in ranks]
+    Bs = [[(torch.randn(d, r, generator=g) / r ** 0.5).to(adt).requires_grad_() for r in rs]
+          for d, rs in zip(douts, ranks)]
+    return x, Ws, bs, As, Bs
+
+
+def _check_group(x, Ws, bs, As, Bs, scalings, ps, tol, unused=()):
+    """lora_linear_group against float64 references of each projection (with the masks it drew) and every
+    gradient; projections in ``unused`` do not reach the loss."""
+    from fxfuse.ops.lora_linear import lora_linear_group
+
+    state = torch.random.get_rng_state()
+    ys = lora_linear_group(x, Ws, As, Bs, scalings, biases=bs, dropout_p=ps)
+    gos = [torch.randn_like(y) for y in ys]
+    leaves = [x] + [a for aa in As for a in aa] + [b for bb in Bs for b in bb]
+    leaves += [t for t in list(Ws) + list(bs) if t is not None and t.requires_grad]
+    loss = sum((y * go).sum() for j, (y, go) in enumerate(zip(ys, gos)) if j not in unused)
+    got = torch.autograd.grad(loss, leaves, allow_unused=True)
+    torch.random.set_rng_state(state)
+    flat_p = [p for pp in ps for p in pp]
+    seeds = K.draw_seeds(len(flat_p), "cpu")
+    N, din = x.shape
+    masks = [lora_dropout_keep_mask(seeds[i], N, din, p, "cpu") if p > 0 else None for i, p in enumerate(flat_p)]
+    d = lambda t: None if t is None else t.detach().double().requires_grad_(t.requires_grad)  # noqa: E731
+    xr = d(x)
+    Ar, Br = [[d(a) for a in aa] for aa in As], [[d(b) for b in bb] for bb in Bs]
+    Wr, br = [d(w) for w in Ws], [d(b) for b in bs]
+    yrs, i = [], 0
+    for j in range(len(Ws)):
+        n = len(As[j])
+        yrs.append(K.lora_reference(xr, Wr[j], br[j], Ar[j], Br[j], scalings[j], masks[i:i + n], flat_p[i:i + n]))
+        i += n
+    rleaves = [xr] + [a for aa in Ar for a in aa] + [b for bb in Br for b in bb]
+    rleaves += [t for t in Wr + br if t is not None and t.requires_grad]
+    rloss = sum((y * go.double()).sum() for j, (y, go) in enumerate(zip(yrs, gos)) if j not in unused)
+    ref = torch.autograd.grad(rloss, rleaves, allow_unused=True)
+    for j, (y, yr) in enumerate(zip(ys, yrs)):
+        err = ((y.double() - yr).norm() / yr.norm()).item()
+        assert y.dtype == x.dtype and err < tol, f"y{j}: relative error {err:.2e}"
+    for k, (a, r) in enumerate(zip(got, ref)):
+        if r is None:
+            assert a is None or a.abs().max() == 0, f"grad {k} should be zero"
+            continue
+        err = ((a.double() - r).norm() / r.norm()).item()
+        assert err < tol, f"grad {k} of {len(ref)}: relative error {err:.2e} >= {tol}"
+        assert a.dtype == leaves[k].dtype
+
+
+GROUP_CASES = {  # din, douts, ranks per projection, ps per projection, biases on
+    "qkv-one-run": (40, (24, 8, 8), ((4,), (4,), (4,)), ((0.1,), (0.1,), (0.1,)), ()),
+    "gate-up-bias": (36, (20, 20), ((3,), (3,)), ((0.2,), (0.2,)), (0,)),
+    "mixed-ranks-and-p": (40, (16, 12, 8), ((4, 2), (4,), (6,)), ((0.1, 0.1), (0.0,), (0.3,)), (1, 2)),
+    "five-adapters-one-setting": (24, (8, 8, 8), ((2, 2), (2, 2), (2,)), ((0.2,) * 2, (0.2,) * 2, (0.2,)), ()),
+    "no-dropout": (40, (24, 8), ((4,), (4,)), ((0.0,), (0.0,)), (0, 1)),
+}
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["torch-path", "triton-kernels"])
+@pytest.mark.parametrize("case", list(GROUP_CASES), ids=list(GROUP_CASES))
+def test_group_matches_per_projection_float64_reference(case, triton, monkeypatch):
+    if triton:
+        if not K.HAVE_TRITON:
+            pytest.skip("triton not installed")
+        monkeypatch.setattr(K, "FORCE_TRITON", True)
+    din, douts, ranks, ps, biases = GROUP_CASES[case]
+    x, Ws, bs, As, Bs = _group_inputs(37, din, douts, ranks, torch.float32, biases=biases)
+    scalings = [[2.0] * len(r) for r in ranks]
+    if case == "mixed-ranks-and-p":
+        scalings[0] = [2.0, 0.5]
+    _check_group(x, Ws, bs, As, Bs, scalings, ps, tol=2e-5)
+
+
+def test_group_trainable_base_unused_output_and_fp32_adapters():
+    x, Ws, bs, As, Bs = _group_inputs(33, 24, (16, 8, 8), ((4,), (4,), (4,)), torch.float32, biases=(0, 2),
+                                      trainable_w=True)
+    _check_group(x, Ws, bs, As, Bs, [[2.0]] * 3, [[0.1]] * 3, tol=1e-5, unused=(1,))
+    x, Ws, bs, As, Bs = _group_inputs(64, 48, (40, 24), ((8,), (8,)), torch.bfloat16, adapter_dtype=torch.float32)
+    _check_group(x, Ws, bs, As, Bs, [[2.0]] * 2, [[0.1]] * 2, tol=1e-2)
+
+
+def test_group_equals_separate_calls_bitwise_masks():
+    """Grouping changes no mask: with the same seeds, the group's outputs equal one lora_linear per projection."""
+    from fxfuse.ops.lora_linear import lora_linear_group
+
+    x, Ws, bs, As, Bs = _group_inputs(50, 32, (16, 8), ((4,), (4,)), torch.float32)
+    torch.manual_seed(5)
+    ys = lora_linear_group(x, Ws, As, Bs, [[2.0], [2.0]], dropout_p=[[0.3], [0.3]])
+    torch.manual_seed(5)
+    seeds = K.draw_seeds(2, "cpu")
+    for j in range(2):
+        torch.manual_seed(0)
+        # one call per projection with the group's seed for that adapter: patch the draw
+        orig = K.draw_seeds
+        K.draw_seeds = lambda n, dev, _s=seeds[j:j + 1]: _s.clone()
+        try:
+            y = lora_linear(x, Ws[j], As[j], Bs[j], 2.0, dropout_p=0.3)
+        finally:
+            K.draw_seeds = orig
+        torch.testing.assert_close(ys[j], y, rtol=1e-6, atol=1e-6)

@@ -2,21 +2,24 @@
 dropout masks regenerated from a seed instead of stored. Kernels, launchers, the PyTorch (CPU) path and a float64
 reference side by side.
 
-Notation: x [N, din], W [dout, din] (usually frozen), A = cat_i A_i [R, din], B = cat_i B_i [dout, R] (the
-adapters' ranks concatenated), ``Bs = B * s`` (each adapter's scaling folded into its columns of B: a [dout, R]
-multiply instead of an [N, dout] one), ``V = [drop_1(x) @ A_1.T, ...]`` [N, R] (the only activation saved
-besides x: N x r per adapter).
+Notation: x [N, din]; one or several projections j read x (one for a plain LoRA layer; q/k/v or gate/up after
+horizontal fusion), each with its weight W_j [dout_j, din] (usually frozen) and its adapters i; A = cat_i A_i
+[R, din] over all adapters of all projections, B_j = cat of projection j's B_i [dout_j, R_j];
+``V = [s_i * drop_i(x) @ A_i.T]`` [N, R], each adapter's scaling s_i folded in (the only activation saved besides
+x: N x r per adapter; grad B_j = gy_j.T @ V_j needs no rescale).
 
-Where the time goes (design notes sec. 6): the base GEMM is compute-bound; the low-rank terms are bandwidth-bound
-passes over [N, din] / [N, dout] tensors. PEFT runs each as its own kernel and stores ``dropout(x)`` (and the
-mask) for every adapted projection. Here:
+Where the time goes (benchmarks/lora_notes.md): the base GEMMs are compute-bound; the low-rank terms are
+bandwidth-bound passes over [N, din] / [N, dout] tensors. PEFT runs each as its own kernel and stores
+``dropout(x)`` (and the mask) for every adapted projection. Here:
 
-* forward:  ``V = drop(x) @ A.T`` (one read of x; dropout applied in registers by ``_lora_down_kernel``),
-  ``y = addmm(V @ Bs.T (+ bias), x, W.T)``: the low-rank product is the addmm's C operand, which cuBLAS reads in
-  its epilogue, so there is no separate ``y + delta`` pass.
-* backward: ``gV = gy @ Bs`` and ``gBs = gy.T @ V`` (cuBLAS), ``gx = addmm(keep * (gV @ A) / (1 - p), gy, W)``
-  (again the low-rank term is the C operand), ``gA = gV.T @ drop(x)``; with dropout the last two are one kernel
-  (``_lora_up_dropout_bwd_kernel``) that regenerates the mask once per tile.
+* forward:  ``V = s * drop(x) @ A.T`` (one read of x for all adapters of all projections that share a dropout
+  setting: ``_lora_down_kernel``, dropout applied in registers), ``y_j = addmm(V_j @ B_j.T (+ bias), x, W_j.T)``:
+  the low-rank product is the addmm's C operand, which cuBLAS reads in its epilogue (no ``y + delta`` pass).
+* backward: ``gV_j = gy_j @ B_j`` and ``gB_j = gy_j.T @ V_j`` (cuBLAS); the low-rank part of grad x,
+  ``s * sum_i keep_i * (gV_i @ A_i) / (1 - p)``, and ``gA_i = s * gV_i.T @ (keep_i * x) / (1 - p)`` come from one
+  kernel (``_lora_up_dropout_bwd_kernel``: one read of x, one write of the [N, din] term, each mask regenerated
+  once per tile); then every projection's base GEMM adds ``gy_j @ W_j`` into that buffer in place, so sibling
+  projections' grad x are summed without a separate pass.
 
 Dropout masks: Triton's Philox (``tl.rand``) keyed by a per-call, per-adapter seed (a device tensor drawn from
 torch's generator, so ``torch.manual_seed`` reproduces it and there is no host sync) and the element offset
@@ -121,88 +124,194 @@ if HAVE_TRITON:
         inb = (rows < N)[:, None] & (cols < DIN)[None, :]
         tl.store(out_ptr + rows[:, None] * DIN + cols[None, :], keep.to(tl.int8), mask=inb)
 
+    # The dropout kernels take a *run* of NA <= 4 adapters that share rank r, dropout p and scaling s and sit side
+    # by side in A (rows k*r), V / gV (columns k*r), the seeds (k) and grad A (rows k*r): PEFT's q/k/v or gate/up
+    # adapters of one layer after horizontal fusion, or several active adapters on one layer. Each tile of x is
+    # read once for the whole run and masked NA times (each adapter keeps its own mask, so the result is the same
+    # as NA separate calls). Triton has no lists of loop-carried tensors: the per-adapter accumulators are spelled
+    # out (acc0..acc3) and the unused ones are compiled away (NA is a constexpr).
+    MAX_RUN = 4
+
     @triton.jit
-    def _lora_down_kernel(
-        x_ptr, stride_x,          # [N, DIN]
-        a_ptr, stride_a,          # [r, DIN] (this adapter's rows of A)
-        v_ptr, stride_v,          # [N, r] (this adapter's columns of V)
-        seed_ptr, N, DIN, R, thresh, inv_keep,
-        BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, DOT_F32: tl.constexpr, ROUNDS: tl.constexpr,
-        EXPAND: tl.constexpr,
-    ):
-        """V[rows] = (keep * x[rows]) @ A.T / (1 - p): one read of x, the mask never leaves registers."""
-        row0 = tl.program_id(0) * BM
-        rows = row0 + tl.arange(0, BM)
-        rr = tl.arange(0, RP)
-        seed = tl.load(seed_ptr)
-        acc = tl.zeros((BM, RP), dtype=tl.float32)
-        for k0 in range(0, DIN, BK):
-            cols = k0 + tl.arange(0, BK)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                        mask=(rows < N)[:, None] & (cols < DIN)[None, :], other=0.0)
-            x = tl.where(_keep_mask(seed, row0, k0, DIN, thresh, BM, BK, ROUNDS, EXPAND), x, 0.0)
-            at = tl.load(a_ptr + rr[None, :] * stride_a + cols[:, None],
-                         mask=(rr < R)[None, :] & (cols < DIN)[:, None], other=0.0)   # [BK, RP] = A.T tile
-            if DOT_F32:  # the interpreter's bf16 tl.dot is wrong (DESIGN.md sec. 4)
-                acc += tl.dot(x.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-            else:  # A may be wider than x (PEFT's fp32 adapters): rounded to x's dtype here, not by a cast kernel
-                acc += tl.dot(x, at.to(x_ptr.dtype.element_ty))
-        acc = acc * inv_keep
+    def _masked_x_at(x, a_ptr, stride_a, rr, cols, R, DIN, seed, row0, col0, thresh, acc,
+                     BM: tl.constexpr, BK: tl.constexpr, ROUNDS: tl.constexpr, EXPAND: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+        """acc += (keep * x) @ A_k.T over one [BM, BK] tile of x (A_k's [BK, RP] slice loaded here)."""
+        xm = tl.where(_keep_mask(seed, row0, col0, DIN, thresh, BM, BK, ROUNDS, EXPAND), x, 0.0)
+        at = tl.load(a_ptr + rr[None, :] * stride_a + cols[:, None],
+                     mask=(rr < R)[None, :] & (cols < DIN)[:, None], other=0.0)       # [BK, RP] = A_k.T tile
+        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong (DESIGN.md sec. 4)
+            acc += tl.dot(xm.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+        else:  # A may be wider than x (PEFT's fp32 adapters): rounded to x's dtype here, not by a cast kernel
+            acc += tl.dot(xm, at.to(x.dtype))
+        return acc
+
+    @triton.jit
+    def _store_v(v_ptr, stride_v, rows, rr, N, R, acc):
         tl.store(v_ptr + rows[:, None] * stride_v + rr[None, :], acc.to(v_ptr.dtype.element_ty),
                  mask=(rows < N)[:, None] & (rr < R)[None, :])
 
     @triton.jit
-    def _lora_up_dropout_bwd_kernel(
-        gv_ptr, stride_gv,        # [N, r] grad of this adapter's V (scaling already folded in)
-        a_ptr, stride_a,          # [r, DIN]
+    def _lora_down_kernel(
         x_ptr, stride_x,          # [N, DIN]
-        c_ptr, stride_c,          # [N, DIN] out: keep * (gV @ A) / (1 - p)   (+= when ACCUMULATE)
-        ga_ptr,                   # [r, DIN] fp32, zeroed: += gV.T @ (keep * x) / (1 - p)
-        seed_ptr, N, DIN, R, thresh, inv_keep,
-        BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+        a_ptr, stride_a,          # [NA * r, DIN]: the run's rows of A
+        v_ptr, stride_v,          # [N, NA * r]: the run's columns of V
+        seed_ptr, N, DIN, R, thresh, scale,
+        BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, NA: tl.constexpr, DOT_F32: tl.constexpr,
+        ROUNDS: tl.constexpr, EXPAND: tl.constexpr,
+    ):
+        """V_k[rows] = s * (keep_k * x[rows]) @ A_k.T / (1 - p) for the run's NA adapters: one read of x, the masks
+        never leave registers, the scaling s rides along (V is saved scaled: grad B = gy.T @ V needs no rescale)."""
+        row0 = tl.program_id(0) * BM
+        rows = row0 + tl.arange(0, BM)
+        rr = tl.arange(0, RP)
+        s0 = tl.load(seed_ptr)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        if NA > 1:
+            s1 = tl.load(seed_ptr + 1)
+        if NA > 2:
+            s2 = tl.load(seed_ptr + 2)
+        if NA > 3:
+            s3 = tl.load(seed_ptr + 3)
+        acc0 = tl.zeros((BM, RP), dtype=tl.float32)
+        acc1 = tl.zeros((BM, RP), dtype=tl.float32)
+        acc2 = tl.zeros((BM, RP), dtype=tl.float32)
+        acc3 = tl.zeros((BM, RP), dtype=tl.float32)
+        for k0 in range(0, DIN, BK):
+            cols = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                        mask=(rows < N)[:, None] & (cols < DIN)[None, :], other=0.0)
+            acc0 = _masked_x_at(x, a_ptr, stride_a, rr, cols, R, DIN, s0, row0, k0, thresh, acc0,
+                                BM, BK, ROUNDS, EXPAND, DOT_F32)
+            if NA > 1:
+                acc1 = _masked_x_at(x, a_ptr + R * stride_a, stride_a, rr, cols, R, DIN, s1, row0, k0, thresh,
+                                    acc1, BM, BK, ROUNDS, EXPAND, DOT_F32)
+            if NA > 2:
+                acc2 = _masked_x_at(x, a_ptr + 2 * R * stride_a, stride_a, rr, cols, R, DIN, s2, row0, k0, thresh,
+                                    acc2, BM, BK, ROUNDS, EXPAND, DOT_F32)
+            if NA > 3:
+                acc3 = _masked_x_at(x, a_ptr + 3 * R * stride_a, stride_a, rr, cols, R, DIN, s3, row0, k0, thresh,
+                                    acc3, BM, BK, ROUNDS, EXPAND, DOT_F32)
+        _store_v(v_ptr, stride_v, rows, rr, N, R, acc0 * scale)
+        if NA > 1:
+            _store_v(v_ptr + R, stride_v, rows, rr, N, R, acc1 * scale)
+        if NA > 2:
+            _store_v(v_ptr + 2 * R, stride_v, rows, rr, N, R, acc2 * scale)
+        if NA > 3:
+            _store_v(v_ptr + 3 * R, stride_v, rows, rr, N, R, acc3 * scale)
+
+    @triton.jit
+    def _load_a(a_ptr, stride_a, rr, cols, R, DIN):
+        return tl.load(a_ptr + rr[:, None] * stride_a + cols[None, :],
+                       mask=(rr < R)[:, None] & (cols < DIN)[None, :], other=0.0)        # [RP, BK]
+
+    @triton.jit
+    def _adapter_bwd_tile(gv_ptr, stride_gv, a, x, seed, rows, rr, row0, col0, N, DIN, R, thresh, t, acc_at,
+                          BM: tl.constexpr, BK: tl.constexpr, WRITE_C: tl.constexpr, WRITE_GA: tl.constexpr,
+                          DOT_F32: tl.constexpr, ROUNDS: tl.constexpr, EXPAND: tl.constexpr):
+        """One adapter on one [BM, BK] tile: t += keep * (gV_k @ A_k), acc_at += (keep * x).T @ gV_k."""
+        gv = tl.load(gv_ptr + rows[:, None] * stride_gv + rr[None, :],
+                     mask=(rows < N)[:, None] & (rr < R)[None, :], other=0.0)            # [BM, RP]
+        keep = _keep_mask(seed, row0, col0, DIN, thresh, BM, BK, ROUNDS, EXPAND)
+        if WRITE_C:
+            if DOT_F32:
+                d = tl.dot(gv.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+            else:
+                d = tl.dot(gv, a.to(gv.dtype))  # A may be fp32: rounded here
+            t += tl.where(keep, d, 0.0)
+        if WRITE_GA:
+            xm = tl.where(keep, x, 0.0)
+            if DOT_F32:
+                acc_at += tl.dot(tl.trans(xm.to(tl.float32)), gv.to(tl.float32), input_precision="ieee")
+            else:  # x.T @ gV keeps the MMA's M dimension large
+                acc_at += tl.dot(tl.trans(xm), gv)
+        return t, acc_at
+
+    @triton.jit
+    def _atomic_add_ga(ga_ptr, stride_ga, rr, cols, R, DIN, acc_at):
+        tl.atomic_add(ga_ptr + rr[None, :] * stride_ga + cols[:, None], acc_at,
+                      mask=(rr < R)[None, :] & (cols < DIN)[:, None])
+
+    @triton.jit
+    def _lora_up_dropout_bwd_kernel(
+        gv_ptr, stride_gv,        # [N, NA * r] grad of the run's (scaled) V
+        a_ptr, stride_a,          # [NA * r, DIN]
+        x_ptr, stride_x,          # [N, DIN]
+        c_ptr, stride_c,          # [N, DIN] out: s * sum_k keep_k * (gV_k @ A_k) / (1 - p)   (+= when ACCUMULATE)
+        ga_ptr, stride_ga,        # [NA * r, DIN] fp32, zeroed: += s * gV_k.T @ (keep_k * x) / (1 - p)
+        seed_ptr, N, DIN, R, thresh, scale,
+        BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, NA: tl.constexpr,
         WRITE_C: tl.constexpr, ACCUMULATE: tl.constexpr, WRITE_GA: tl.constexpr, DOT_F32: tl.constexpr,
         ROUNDS: tl.constexpr, EXPAND: tl.constexpr,
     ):
-        """Both dropout-side gradients of one adapter from one mask regeneration per [BM, BK] tile of x.
+        """Both dropout-side gradients of a run of adapters from one read of each [BM, BK] tile of x (and one
+        write of grad x's low-rank term for the whole run), each adapter's mask regenerated once per tile.
 
-        Grid (column blocks, row splits): a program owns BK columns and strides over row blocks, so its slice of
-        gA accumulates in registers and reaches memory with one atomic add per element per program.
+        Grid (column blocks, row splits): a program owns BK columns and strides over row blocks, so its slices of
+        grad A accumulate in registers and reach memory with one atomic add per element per program.
         """
         col0 = tl.program_id(0) * BK
         cols = col0 + tl.arange(0, BK)
         split = tl.program_id(1)
         nsplit = tl.num_programs(1)
         rr = tl.arange(0, RP)
-        seed = tl.load(seed_ptr)
-        a = tl.load(a_ptr + rr[:, None] * stride_a + cols[None, :],
-                    mask=(rr < R)[:, None] & (cols < DIN)[None, :], other=0.0)       # [RP, BK]
-        acc_at = tl.zeros((BK, RP), dtype=tl.float32)  # gA.T slice: x.T @ gV keeps the MMA's M dimension large
+        s0 = tl.load(seed_ptr)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        a0 = _load_a(a_ptr, stride_a, rr, cols, R, DIN)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        if NA > 1:
+            s1 = tl.load(seed_ptr + 1)
+            a1 = _load_a(a_ptr + R * stride_a, stride_a, rr, cols, R, DIN)
+        if NA > 2:
+            s2 = tl.load(seed_ptr + 2)
+            a2 = _load_a(a_ptr + 2 * R * stride_a, stride_a, rr, cols, R, DIN)
+        if NA > 3:
+            s3 = tl.load(seed_ptr + 3)
+            a3 = _load_a(a_ptr + 3 * R * stride_a, stride_a, rr, cols, R, DIN)
+        acc0 = tl.zeros((BK, RP), dtype=tl.float32)  # grad A_k.T slices
+        acc1 = tl.zeros((BK, RP), dtype=tl.float32)
+        acc2 = tl.zeros((BK, RP), dtype=tl.float32)
+        acc3 = tl.zeros((BK, RP), dtype=tl.float32)
         for mb in range(split, tl.cdiv(N, BM), nsplit):
-            rows = mb * BM + tl.arange(0, BM)
+            row0 = mb * BM
+            rows = row0 + tl.arange(0, BM)
             inb = (rows < N)[:, None] & (cols < DIN)[None, :]
-            gv = tl.load(gv_ptr + rows[:, None] * stride_gv + rr[None, :],
-                         mask=(rows < N)[:, None] & (rr < R)[None, :], other=0.0)    # [BM, RP]
-            keep = _keep_mask(seed, mb * BM, col0, DIN, thresh, BM, BK, ROUNDS, EXPAND)
+            if WRITE_GA:
+                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=inb, other=0.0)
+            else:
+                x = tl.zeros((BM, BK), dtype=x_ptr.dtype.element_ty)
+            t = tl.zeros((BM, BK), dtype=tl.float32)
+            t, acc0 = _adapter_bwd_tile(gv_ptr, stride_gv, a0, x, s0, rows, rr, row0, col0, N, DIN, R, thresh,
+                                        t, acc0, BM, BK, WRITE_C, WRITE_GA, DOT_F32, ROUNDS, EXPAND)
+            if NA > 1:
+                t, acc1 = _adapter_bwd_tile(gv_ptr + R, stride_gv, a1, x, s1, rows, rr, row0, col0, N, DIN, R,
+                                            thresh, t, acc1, BM, BK, WRITE_C, WRITE_GA, DOT_F32, ROUNDS, EXPAND)
+            if NA > 2:
+                t, acc2 = _adapter_bwd_tile(gv_ptr + 2 * R, stride_gv, a2, x, s2, rows, rr, row0, col0, N, DIN, R,
+                                            thresh, t, acc2, BM, BK, WRITE_C, WRITE_GA, DOT_F32, ROUNDS, EXPAND)
+            if NA > 3:
+                t, acc3 = _adapter_bwd_tile(gv_ptr + 3 * R, stride_gv, a3, x, s3, rows, rr, row0, col0, N, DIN, R,
+                                            thresh, t, acc3, BM, BK, WRITE_C, WRITE_GA, DOT_F32, ROUNDS, EXPAND)
             if WRITE_C:
-                if DOT_F32:
-                    t = tl.dot(gv.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-                else:
-                    t = tl.dot(gv, a.to(gv_ptr.dtype.element_ty))  # A may be fp32: rounded here
-                t = tl.where(keep, t * inv_keep, 0.0)
+                t = t * scale
                 c_ptrs = c_ptr + rows[:, None] * stride_c + cols[None, :]
                 if ACCUMULATE:
                     t += tl.load(c_ptrs, mask=inb, other=0.0).to(tl.float32)
                 tl.store(c_ptrs, t.to(c_ptr.dtype.element_ty), mask=inb)
-            if WRITE_GA:
-                x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=inb, other=0.0)
-                x = tl.where(keep, x, 0.0)
-                if DOT_F32:
-                    acc_at += tl.dot(tl.trans(x.to(tl.float32)), gv.to(tl.float32), input_precision="ieee")
-                else:
-                    acc_at += tl.dot(tl.trans(x), gv)
         if WRITE_GA:
-            tl.atomic_add(ga_ptr + rr[None, :] * DIN + cols[:, None], acc_at * inv_keep,
-                          mask=(rr < R)[None, :] & (cols < DIN)[:, None])
+            _atomic_add_ga(ga_ptr, stride_ga, rr, cols, R, DIN, acc0 * scale)
+            if NA > 1:
+                _atomic_add_ga(ga_ptr + R * stride_ga, stride_ga, rr, cols, R, DIN, acc1 * scale)
+            if NA > 2:
+                _atomic_add_ga(ga_ptr + 2 * R * stride_ga, stride_ga, rr, cols, R, DIN, acc2 * scale)
+            if NA > 3:
+                _atomic_add_ga(ga_ptr + 3 * R * stride_ga, stride_ga, rr, cols, R, DIN, acc3 * scale)
 
 
 # ================================================================================================ dropout masks
@@ -237,22 +346,12 @@ def dropout_keep_mask(seed: torch.Tensor, N: int, din: int, p: float, device) ->
 
 
 # ================================================================================================ layout helpers
-def _offsets(ranks: Sequence[int]) -> List[int]:
+def _offsets(sizes: Sequence[int]) -> List[int]:
     offs, o = [], 0
-    for r in ranks:
+    for r in sizes:
         offs.append(o)
         o += r
     return offs
-
-
-def _scaled_b(B: torch.Tensor, ranks, scalings, dtype: torch.dtype) -> torch.Tensor:
-    """``Bs = B * s`` per adapter column block, written in the compute dtype (one kernel per adapter, also when the
-    adapters are fp32 on a bf16 base). Python-float multiplies only: building an [R] scaling tensor on the device
-    from a Python list is a pageable host-to-device copy, i.e. a stream sync per call."""
-    out = torch.empty(B.shape, dtype=dtype, device=B.device)
-    for o, r, s in zip(_offsets(ranks), ranks, scalings):
-        torch.mul(B[:, o:o + r], float(s), out=out[:, o:o + r])
-    return out
 
 
 def _compute_dtype(A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -265,59 +364,100 @@ def _dropout_kernel_a(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return A if _use_triton(x) else _compute_dtype(A, x.dtype)
 
 
+def _runs(ranks: Sequence[int], scalings: Sequence[float], dropout_p: Sequence[float]):
+    """Adapters with dropout, in runs for the dropout kernels: (first adapter, count <= MAX_RUN, r, s, p) over
+    consecutive adapters that share rank, scaling and dropout p (one LoraConfig: all of them)."""
+    out = []
+    for i, (r, s, p) in enumerate(zip(ranks, scalings, dropout_p)):
+        if p == 0:
+            continue
+        last = out[-1] if out else None
+        if last and last[0] + last[1] == i and last[1] < MAX_RUN and last[2:] == (r, s, p):
+            out[-1] = (last[0], last[1] + 1, r, s, p)
+        else:
+            out.append((i, 1, r, s, p))
+    return out
+
+
+MAX_RUN = 4  # adapters per dropout-kernel launch (the kernels spell out four accumulators)
+
+
+def _projection_slices(counts: Sequence[int], ranks: Sequence[int]) -> List[slice]:
+    """Columns of V / rows of A that belong to each projection (its adapters are consecutive)."""
+    r_proj = [sum(ranks[a:a + c]) for a, c in zip(_offsets(counts), counts)]
+    return [slice(o, o + r) for o, r in zip(_offsets(r_proj), r_proj)]
+
+
 # ================================================================================================ forward
-def _down_dropout(x, A_i, V_i, seed_i, p):
+def _down_dropout(x, A_run, V_run, seeds_run, na, r, s, p):
+    """V_run (the run's [N, na * r] columns of V) = s * drop_k(x) @ A_k.T for the run's adapters."""
     N, din = x.shape
-    r = A_i.shape[0]
+    thresh, inv = _dropout_threshold(p)
     if _use_triton(x):
         if N == 0:
             return
         cfg = DOWN_CONFIG
         _lora_down_kernel[(triton.cdiv(N, cfg["BM"]),)](
-            x, x.stride(0), A_i, A_i.stride(0), V_i, V_i.stride(0), seed_i, N, din, r, *_dropout_threshold(p),
-            RP=_rank_pad(r), DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg)
+            x, x.stride(0), A_run, A_run.stride(0), V_run, V_run.stride(0), seeds_run, N, din, r, thresh, s * inv,
+            RP=_rank_pad(r), NA=na, DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg)
         return
-    seed = int(seed_i)
-    for s in range(0, N, CPU_MASK_ROWS * 8):
-        e = min(N, s + CPU_MASK_ROWS * 8)
-        keep = _cpu_keep(seed, s, e, din, p)
-        xd = x[s:e] * keep.to(x.dtype)
-        V_i[s:e] = (xd @ A_i.t()) * (1.0 / (1.0 - p))
+    inv = 1.0 / (1.0 - p)
+    for k in range(na):
+        seed, A_k = int(seeds_run[k]), A_run[k * r:(k + 1) * r]
+        for s0 in range(0, N, CPU_MASK_ROWS * 8):
+            e = min(N, s0 + CPU_MASK_ROWS * 8)
+            xd = x[s0:e] * _cpu_keep(seed, s0, e, din, p).to(x.dtype)
+            V_run[s0:e, k * r:(k + 1) * r] = (xd @ A_k.t()) * (s * inv)
 
 
-def lora_forward(x, weight, bias, A, B, ranks, scalings, dropout_p, seeds):
-    """x [N, din] -> (y [N, dout], V [N, R]). ``seeds`` [n_adapters] int64 (ignored where p == 0). A / B may be
-    wider than x (fp32 adapters on a bf16 base): the matmuls run in x's dtype with fp32 accumulation."""
+def lora_forward(x, weights, biases, A, Bs, seeds, ranks, counts, scalings, dropout_p):
+    """x [N, din] -> ([y_j [N, dout_j] per projection], V [N, R]).
+
+    ``weights`` / ``biases`` (None allowed): one per projection that reads x (one for a plain LoRA layer, q/k/v
+    after horizontal fusion); ``counts[j]`` adapters belong to projection j, consecutive in ``A`` = cat_i A_i
+    [R, din], ``ranks``, ``scalings``, ``dropout_p`` and ``seeds`` [n_adapters] int64 (read where p > 0);
+    ``Bs[j]`` = cat of projection j's B_i [dout_j, R_j]. V [N, R] = [s_i * drop_i(x) @ A_i.T], saved for the
+    backward. A / B may be wider than x (fp32 adapters on a bf16 base): the matmuls run in x's dtype with fp32
+    accumulation."""
     N = x.shape[0]
     R = A.shape[0]
     if all(p == 0 for p in dropout_p):
         V = torch.mm(x, _compute_dtype(A, x.dtype).t())
+        for o, r, s in zip(_offsets(ranks), ranks, scalings):
+            if s != 1.0:
+                V[:, o:o + r].mul_(s)
     else:
         V = x.new_empty((N, R))
         Ak = _dropout_kernel_a(A, x)
-        for i, (o, r, p) in enumerate(zip(_offsets(ranks), ranks, dropout_p)):
+        offs = _offsets(ranks)
+        for o, r, s, p in zip(offs, ranks, scalings, dropout_p):
             if p == 0:
-                V[:, o:o + r] = x @ _compute_dtype(Ak[o:o + r], x.dtype).t()
-            else:
-                _down_dropout(x, Ak[o:o + r], V[:, o:o + r], seeds[i:i + 1], p)
-    Bs = _scaled_b(B, ranks, scalings, x.dtype)
-    # The low-rank product is the C operand of the base GEMM: cuBLAS adds it in its epilogue.
-    C = torch.addmm(bias, V, Bs.t()) if bias is not None else torch.mm(V, Bs.t())
-    # In place: out-of-place addmm first copies C into a fresh output (a 64 us DtoD copy at 16384 x 4096).
-    return C.addmm_(x, weight.t()), V
+                torch.mm(x, _compute_dtype(Ak[o:o + r], x.dtype).t(), out=V[:, o:o + r])
+                if s != 1.0:
+                    V[:, o:o + r].mul_(s)
+        for i, na, r, s, p in _runs(ranks, scalings, dropout_p):
+            o = offs[i]
+            _down_dropout(x, Ak[o:o + na * r], V[:, o:o + na * r], seeds[i:i + na], na, r, s, p)
+    ys = []
+    for W, b, B, cols in zip(weights, biases, Bs, _projection_slices(counts, ranks)):
+        Bc = _compute_dtype(B, x.dtype)
+        # The low-rank product is the C operand of the base GEMM: cuBLAS adds it in its epilogue.
+        C = torch.addmm(b, V[:, cols], Bc.t()) if b is not None else torch.mm(V[:, cols], Bc.t())
+        # In place: out-of-place addmm first copies C into a fresh output (a 64 us DtoD copy at 16384 x 4096).
+        ys.append(C.addmm_(x, W.t()))
+    return ys, V
 
 
 # ================================================================================================ backward
-def _up_dropout_bwd(gV_i, A_i, x, C, ga32_i, seed_i, p, write_c, accumulate):
-    """One dropout adapter's backward: C (+)= keep * (gV_i @ A_i) / (1 - p) when ``write_c``, and
-    ga32_i += gV_i.T @ (keep * x) / (1 - p) (fp32, zeroed by the caller) when ``ga32_i`` is given."""
+def _up_dropout_bwd(gV_run, A_run, x, C, ga32_run, seeds_run, na, r, s, p, write_c, accumulate):
+    """One run's backward: C (+)= s * sum_k keep_k * (gV_k @ A_k) / (1 - p) when ``write_c``, and
+    ga32_run[k] += s * gV_k.T @ (keep_k * x) / (1 - p) (fp32, zeroed by the caller) when ``ga32_run`` is given."""
     N, din = x.shape
-    r = A_i.shape[0]
-    write_ga = ga32_i is not None
+    write_ga = ga32_run is not None
+    thresh, inv = _dropout_threshold(p)
     if _use_triton(x):
         if N == 0:
             return
-        thresh, inv = _dropout_threshold(p)
         cfg = UP_BWD_CONFIG
         BM, BK = cfg["BM"], cfg["BK"]
         ncol = triton.cdiv(din, BK)
@@ -325,83 +465,99 @@ def _up_dropout_bwd(gV_i, A_i, x, C, ga32_i, seed_i, p, write_c, accumulate):
             if x.is_cuda else 4
         nsplit = max(1, min(triton.cdiv(N, BM), (2 * sms) // ncol))
         _lora_up_dropout_bwd_kernel[(ncol, nsplit)](
-            gV_i, gV_i.stride(0), A_i, A_i.stride(0), x, x.stride(0),
-            C if write_c else x, C.stride(0) if write_c else 0, ga32_i if write_ga else x, seed_i, N, din, r,
-            thresh, inv, RP=_rank_pad(r), WRITE_C=write_c, ACCUMULATE=accumulate, WRITE_GA=write_ga,
+            gV_run, gV_run.stride(0), A_run, A_run.stride(0), x, x.stride(0),
+            C if write_c else x, C.stride(0) if write_c else 0, ga32_run if write_ga else x,
+            ga32_run.stride(0) if write_ga else 0, seeds_run, N, din, r, thresh, s * inv, RP=_rank_pad(r), NA=na,
+            WRITE_C=write_c, ACCUMULATE=accumulate, WRITE_GA=write_ga,
             DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg)
         return
-    seed, inv = int(seed_i), 1.0 / (1.0 - p)
+    inv = 1.0 / (1.0 - p)
     step = CPU_MASK_ROWS * 8
-    for s in range(0, N, step):
-        e = min(N, s + step)
-        keep = _cpu_keep(seed, s, e, din, p).to(x.dtype)
-        if write_c:
-            t = (gV_i[s:e] @ A_i) * keep * inv
-            if accumulate:
-                C[s:e] += t
-            else:
-                C[s:e] = t
-        if write_ga:
-            ga32_i += (gV_i[s:e].t() @ (x[s:e] * keep)).float() * inv
-
-
-def lora_backward(gy, x, weight, A, B, V, seeds, ranks, scalings, dropout_p,
-                  need_gx: bool, need_gw: bool, need_gbias: bool, need_ga: bool, need_gb: bool):
-    """Returns (gx [N, din], gW [dout, din], gbias [dout], gA [R, din], gB [dout, R]); [0] for those not asked.
-    gA / gB come back in A / B's dtype (fp32 adapters: accumulated in fp32 and returned without a bf16 round)."""
-    N, din = x.shape
-    empty = lambda: x.new_empty(0)  # noqa: E731  (distinct tensors: custom_op outputs must not alias)
-    Bs = _scaled_b(B, ranks, scalings, x.dtype)
-    offs = _offsets(ranks)
-    gx = gw = gbias = ga = gb = None
-    need_gv = need_gx or need_ga
-    gV = None
-    # Both products that read gy stay in cuBLAS: a Triton kernel computing them from one read of gy (atomics
-    # for gB) measured no faster on H200 (0.089-0.137 ms vs 2 x 0.045 ms at 16384 x 4096; lora_notes.md).
-    if need_gv:
-        gV = gy @ Bs
-    if need_gb:
-        g16 = gy.t() @ V
-        gb = torch.empty(B.shape, dtype=B.dtype, device=B.device)
-        for o, r, s in zip(offs, ranks, scalings):
-            torch.mul(g16[:, o:o + r], float(s), out=gb[:, o:o + r])
-    C2 = None
-    if need_gv:
-        if all(p == 0 for p in dropout_p):
-            Ac = _compute_dtype(A, x.dtype)
-            if need_gx:
-                C2 = gV @ Ac
-            if need_ga:
-                ga = _compute_dtype(gV.t() @ x, A.dtype)
-        else:
-            C2 = x.new_empty((N, din)) if need_gx else None
-            ga32 = torch.zeros((A.shape[0], din), dtype=torch.float32, device=x.device) if need_ga else None
-            first = True
-            Ak = _dropout_kernel_a(A, x)
-            for i, (o, r, p) in enumerate(zip(offs, ranks, dropout_p)):
-                gV_i = gV[:, o:o + r]
-                if p == 0:
-                    A_i = _compute_dtype(Ak[o:o + r], x.dtype)
-                    if need_gx:
-                        if first:
-                            torch.mm(gV_i, A_i, out=C2)
-                        else:
-                            C2.addmm_(gV_i, A_i)
-                    if need_ga:
-                        ga32[o:o + r] = gV_i.t() @ x
+    for k in range(na):
+        seed, A_k, gV_k = int(seeds_run[k]), A_run[k * r:(k + 1) * r], gV_run[:, k * r:(k + 1) * r]
+        for s0 in range(0, N, step):
+            e = min(N, s0 + step)
+            keep = _cpu_keep(seed, s0, e, din, p).to(x.dtype)
+            if write_c:
+                t = (gV_k[s0:e] @ A_k) * keep * (s * inv)
+                if accumulate or k > 0:
+                    C[s0:e] += t
                 else:
-                    _up_dropout_bwd(gV_i, Ak[o:o + r], x, C2, ga32[o:o + r] if need_ga else None, seeds[i:i + 1],
-                                    p, need_gx, need_gx and not first)
+                    C[s0:e] = t
+            if write_ga:
+                ga32_run[k * r:(k + 1) * r] += (gV_k[s0:e].t() @ (x[s0:e] * keep)).float() * (s * inv)
+
+
+def lora_backward(gys, x, weights, A, Bs, V, seeds, ranks, counts, scalings, dropout_p,
+                  need_gx: bool, need_gw: bool, need_gbias: bool, need_ga: bool, need_gb: bool):
+    """Gradients of :func:`lora_forward`: (gx [N, din], [gW_j], [gbias_j], gA [R, din], [gB_j]); gx and gA are
+    empty and the lists are [] where not asked. gA / gB come back in A / B's dtype (fp32 adapters: accumulated in
+    fp32 and returned without a bf16 round). grad x sums every projection's base and low-rank terms in one buffer:
+    the low-rank terms of all adapters are one kernel's output and each base GEMM adds into it in place."""
+    N, din = x.shape
+    empty = lambda: x.new_empty(0)  # noqa: E731  (distinct tensors: op outputs must not alias)
+    projs = _projection_slices(counts, ranks)
+    offs = _offsets(ranks)
+    gx = ga = None
+    gws, gbiases, gbs = [], [], []
+    need_gv = need_gx or need_ga
+    Bcs = [_compute_dtype(B, x.dtype) for B in Bs] if (need_gv or need_gb) else []
+    # grad of the scaled V: gV_j = gy_j @ B_j (written straight into its columns of one [N, R] buffer). Both
+    # products that read gy stay in cuBLAS: a Triton kernel computing them from one read of gy (atomics for gB)
+    # measured no faster on H200 (lora_notes.md).
+    if need_gv:
+        gV = x.new_empty((N, A.shape[0]))
+        for gy, Bc, cols in zip(gys, Bcs, projs):
+            torch.mm(gy, Bc, out=gV[:, cols])
+        # Adapters without dropout take cuBLAS below; their scaling goes into gV (a tiny [N, r] multiply). The
+        # dropout kernels fold it into their epilogue.
+        for o, r, s, p in zip(offs, ranks, scalings, dropout_p):
+            if p == 0 and s != 1.0:
+                gV[:, o:o + r].mul_(s)
+    if need_gb:  # V is saved scaled, so grad B_j = gy_j.T @ V_j exactly
+        for gy, B, cols in zip(gys, Bs, projs):
+            gbs.append(_compute_dtype(gy.t() @ V[:, cols], B.dtype))
+    C2 = None
+    if need_gv and all(p == 0 for p in dropout_p):  # no dropout: all adapters in one product each
+        Ac = _compute_dtype(A, x.dtype)
+        if need_gx:
+            C2 = gV @ Ac
+        if need_ga:
+            ga = _compute_dtype(gV.t() @ x, A.dtype)
+    elif need_gv:
+        C2 = x.new_empty((N, din)) if need_gx else None
+        ga32 = torch.zeros((A.shape[0], din), dtype=torch.float32, device=x.device) if need_ga else None
+        first = True
+        Ak = _dropout_kernel_a(A, x)
+        for o, r, p in zip(offs, ranks, dropout_p):  # adapters without dropout beside some with: cuBLAS
+            if p != 0:
+                continue
+            A_i = _compute_dtype(Ak[o:o + r], x.dtype)
+            if need_gx:
+                if first:
+                    torch.mm(gV[:, o:o + r], A_i, out=C2)
+                else:
+                    C2.addmm_(gV[:, o:o + r], A_i)
                 first = False
             if need_ga:
-                ga = _compute_dtype(ga32, A.dtype)
+                ga32[o:o + r] = gV[:, o:o + r].t() @ x
+        for i, na, r, s, p in _runs(ranks, scalings, dropout_p):
+            o = offs[i]
+            _up_dropout_bwd(gV[:, o:o + na * r], Ak[o:o + na * r], x, C2,
+                            ga32[o:o + na * r] if need_ga else None, seeds[i:i + na], na, r, s, p,
+                            need_gx, need_gx and not first)
+            first = False
+        if need_ga:
+            ga = _compute_dtype(ga32, A.dtype)
     if need_gx:
-        gx = C2.addmm_(gy, weight)  # the low-rank gradient is the C operand of the base GEMM (in place: no copy)
+        gx = C2
+        for gy, W in zip(gys, weights):  # the base GEMMs add into the low-rank term in place (no copy, no sum)
+            gx = gx.addmm_(gy, W)
     if need_gw:
-        gw = gy.t() @ x
+        gws = [gy.t() @ x for gy in gys]
     if need_gbias:
-        gbias = gy.sum(0)
-    return tuple(t if t is not None else empty() for t in (gx, gw, gbias, ga, gb))
+        gbiases = [gy.sum(0) for gy in gys]
+    return (gx if gx is not None else empty(), gws, gbiases, ga if ga is not None else empty(), gbs)
 
 
 # ================================================================================================ reference
