@@ -7,7 +7,7 @@ on a bias-free bf16 Linear, r16, alpha 32, lora weights ~N(0, 0.02), x [16384, 4
 so the rows compare with DESIGN.md sec. 5. Extra rows: the op called directly; per-kernel profile; launch-setting
 sweeps of the two dropout kernels (section ``tune``).
 
-Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_lora.py [check] [check-groups] [time] [time-groups] [tune]
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_lora.py [check] [check-groups] [time] [time-groups] [tune] [rng]
 Writes $OUT/bench_lora.jsonl and prints rows. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
@@ -276,6 +276,24 @@ def tune(sweep_launch=False):
             K.DOWN_CONFIG, K.UP_BWD_CONFIG = dict(default_down), dict(default_up)
 
 
+def rng_ablation():
+    """How much of each dropout kernel is mask generation: Philox rounds 10 (default) / 7 / 3 / 0 (no mixing at
+    all: the cost of everything but the RNG) for runs of 1 and 3 adapters, both kernels, e2e shapes."""
+    r = 16
+    shapes = [(8192, 2048), (8192, 8192)] if not SMOKE else [(256, 64)]
+    default_mask = dict(K.MASK_CONFIG)
+    for N, din in shapes:
+        for na in (1, 3):
+            x, A, V, gV, C, gA, seeds = _dropout_kernel_inputs(N, din, r, na)
+            for rounds in (10, 7, 3, 0):
+                K.MASK_CONFIG = dict(default_mask, ROUNDS=rounds)
+                ms_d, _ = bench(_down(x, A, V, seeds, na, r))
+                ms_u, _ = bench(_up_bwd(gV, A, x, C, gA, seeds, na, r))
+                emit(section="lora_rng", shape=[N, din], adapters=na, rounds=rounds, down_ms=round(ms_d, 4),
+                     up_bwd_ms=round(ms_u, 4))
+            K.MASK_CONFIG = dict(default_mask)
+
+
 # ------------------------------------------------------------------------------------------------ sibling groups
 def check_groups():
     """lora_linear_group on the GPU against float64 per-projection references (same masks), no host sync."""
@@ -390,6 +408,8 @@ if __name__ == "__main__":
         profile()
     if "tune" in secs or "tune-launch" in secs:
         tune(sweep_launch="tune-launch" in secs)
+    if "rng" in secs:
+        rng_ablation()
     if "check-groups" in secs:
         check_groups()
     if "time-groups" in secs:
