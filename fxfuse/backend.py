@@ -104,6 +104,25 @@ class PassContext:
     def pass_option(self, key: str, default: Any = None) -> Any:
         return self.options.pass_options.get(self.pass_name, {}).get(key, default)
 
+    def int_option(self, key: str, default: int, minimum: int, what: str = "") -> int:
+        """An int pass option >= ``minimum`` (None = ``default``); anything else raises, so the pass is rolled
+        back with a reason that names the option (``what`` says what it means)."""
+        v = self.pass_option(key, default)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            kind = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
+            raise FxFusePassError(f"pass_options[{self.pass_name!r}][{key!r}] must be {kind}"
+                                  + (f" ({what})" if what else "") + f", got {v!r}")
+        return v
+
+    def choice_option(self, key: str, default: str, choices: Sequence[str]) -> str:
+        """A pass option that must be one of ``choices``; anything else raises (the pass is rolled back)."""
+        v = self.pass_option(key, default)
+        if v not in choices:
+            raise FxFusePassError(f"pass_options[{self.pass_name!r}][{key!r}] must be one of {tuple(choices)}, "
+                                  f"got {v!r}")
+        return v
+
     def graph_modules(self, gm: fx.GraphModule):
         """``gm`` and every nested subgraph module (a pass must rewrite inside checkpoint bodies too)."""
         return [m for _, m in graph_modules(gm)]

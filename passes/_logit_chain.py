@@ -23,7 +23,6 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from fxfuse.errors import FxFuseError
 from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, known_true, node_val, op_kind
 
 __all__ = ["LogitChain", "match_logit_chain", "chunk_bytes_option"]
@@ -194,10 +193,4 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
 def chunk_bytes_option(ctx) -> int:
     """The lm-head passes' ``chunk_bytes`` pass option (the fused op's logits-chunk budget; 0 = the op's default),
     checked so that a bad value rolls the pass back with a reason that says what is wrong."""
-    v = ctx.pass_option("chunk_bytes", 0)
-    if v is None:
-        return 0
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise FxFuseError(f"pass_options[{ctx.pass_name!r}]['chunk_bytes'] must be a non-negative int (bytes; 0 = "
-                          f"default 256 MiB), got {v!r}")
-    return v
+    return ctx.int_option("chunk_bytes", 0, 0, "bytes; 0 = default 256 MiB")

@@ -123,9 +123,7 @@ def _rewrite(g: fx.Graph, group: List[fx.Node]) -> fx.Node:
                            "fxfuse::lora_linear_group (one read of x for their dropout kernels, one grad-x buffer)")
 def lora_horizontal_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
-    max_group = ctx.pass_option("max_group", 8)
-    if not isinstance(max_group, int) or isinstance(max_group, bool) or max_group < 2:
-        raise ValueError(f"pass option {NAME}.max_group must be an int >= 2, got {max_group!r}")
+    max_group = ctx.int_option("max_group", 8, 2, "projections per group")
     for mod in ctx.graph_modules(gm):
         g = mod.graph
         groups = _groups(g, max_group, lambda n, why: ctx.skipped(n, "LoRA horizontal group", why))

@@ -201,7 +201,7 @@ def lora_linear_pass(gm: fx.GraphModule, ctx) -> int:
         g = mod.graph
         bases = [n for n in g.nodes if n.op in ("call_function", "call_method") and op_kind(n) == "linear"]
         changed = 0
-        mixed = ctx.pass_option("mixed_dtype", "base")
+        mixed = ctx.choice_option("mixed_dtype", "base", ("base", "skip"))
         for base in bases:
             if base not in g.nodes:  # erased as part of an earlier site
                 continue

@@ -139,9 +139,7 @@ def _is_causal(m: torch.Tensor, sq: int, skv: int) -> Tuple[bool, str]:
                description="scaled_dot_product_attention with a constant causal mask tensor -> is_causal=True")
 def sdpa_causal_mask_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
-    limit = ctx.pass_option("max_mask_elements", 2 ** 28)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise ValueError(f"pass option {NAME}.max_mask_elements must be a positive int, got {limit!r}")
+    limit = ctx.int_option("max_mask_elements", 2 ** 28, 1, "largest mask this pass evaluates")
     for mod in ctx.graph_modules(gm):
         g = mod.graph
         verdicts: Dict[fx.Node, Tuple[bool, str, List[fx.Node]]] = {}  # one evaluation per mask (shared by layers)

@@ -114,6 +114,19 @@ def test_mixed_dtype_skip_option():
     assert any("mixed_dtype='skip'" in s.reason for s in _skips())
 
 
+def test_bad_pass_options_roll_back_with_reason():
+    import fxfuse
+
+    model = _peft_model(targets=["q_proj", "k_proj"])
+    ids = torch.randint(0, 128, (2, 8))
+    for opts, needle in (({"lora_linear": {"mixed_dtype": "skp"}}, "must be one of ('base', 'skip')"),
+                         ({"lora_horizontal": {"max_group": 1}}, "'max_group'] must be an int >= 2")):
+        torch._dynamo.reset()
+        torch.compile(model, backend="fxfuse", options={**AOT, "pass_options": opts})(input_ids=ids)
+        rep = fxfuse.report()
+        assert any(needle in r.reason for r in rep.rolled_back), str(rep)
+
+
 def test_adapter_chain_and_refusals():
     """Two active adapters on q_proj become one op; a lora_B bias (second adapter on v_proj) is refused with its
     reason, and the first adapter of that chain is still fused."""
