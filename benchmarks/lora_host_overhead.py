@@ -5,7 +5,7 @@ slower than the GPU running them at k/v-projection sizes). This measures where t
 issued back to back with tiny token counts (GPU work per call far below the host cost), timed with
 perf_counter and one synchronize at the end. Writes $OUT/lora_host_overhead.jsonl.
 
-Run (device):  PYTHONPATH=. python3 benchmarks/lora_host_overhead.py
+Run (device):  PYTHONPATH=. python3 benchmarks/lora_host_overhead.py   (on CPU: a smoke run of the same calls)
 """
 from __future__ import annotations
 
@@ -21,15 +21,20 @@ from fxfuse.kernels import lora_linear as K
 emit = jsonl_emitter("lora_host_overhead.jsonl")
 
 
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def host_us(fn, n=300):
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     for _ in range(n):
         fn()
     host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
+    _sync()
     wall = (time.perf_counter() - t) / n * 1e6
     return round(host, 1), round(wall, 1)
 
@@ -42,20 +47,20 @@ def main():
     A = torch.randn(r, din, device=DEV)        # PEFT's fp32 adapters on a bf16 model
     B = torch.randn(dout, r, device=DEV)
     seeds = K.draw_seeds(1, x.device)
-    y, V = torch.ops.fxfuse.lora_linear_fwd(x, W, None, A, B, seeds, [r], [2.0], [p])
+    (y,), V = torch.ops.fxfuse.lora_linear_fwd(x, [W], [], [-1], A, [B], seeds, [r], [1], [2.0], [p])
     gy = torch.randn_like(y)
     Ab = A.to(dt)
     Vb = torch.empty(N, r, device=DEV, dtype=dt)
     cases = {
         "op fwd (torch.ops.fxfuse.lora_linear_fwd)":
-            lambda: torch.ops.fxfuse.lora_linear_fwd(x, W, None, A, B, seeds, [r], [2.0], [p]),
+            lambda: torch.ops.fxfuse.lora_linear_fwd(x, [W], [], [-1], A, [B], seeds, [r], [1], [2.0], [p]),
         "op bwd (torch.ops.fxfuse.lora_linear_bwd)":
-            lambda: torch.ops.fxfuse.lora_linear_bwd(gy, x, W, A, B, V, seeds, [r], [2.0], [p],
+            lambda: torch.ops.fxfuse.lora_linear_bwd([gy], x, [W], A, [B], V, seeds, [r], [1], [2.0], [p],
                                                      True, False, False, True, True),
-        "K.lora_forward (no dispatcher)": lambda: K.lora_forward(x, W, None, A, B, [r], [2.0], [p], seeds),
-        "K.lora_backward (no dispatcher)": lambda: K.lora_backward(gy, x, W, A, B, V, seeds, [r], [2.0], [p],
-                                                                   True, False, False, True, True),
-        "Triton down kernel launch": lambda: K._down_dropout(x, Ab, Vb, seeds, p),
+        "K.lora_forward (no dispatcher)": lambda: K.lora_forward(x, [W], [None], A, [B], seeds, [r], [1], [2.0], [p]),
+        "K.lora_backward (no dispatcher)": lambda: K.lora_backward([gy], x, [W], A, [B], V, seeds, [r], [1], [2.0],
+                                                                   [p], True, False, False, True, True),
+        "Triton down kernel launch": lambda: K._down_dropout(x, Ab, Vb, seeds, 1, r, 2.0, p),
         "A.to(bf16)": lambda: A.to(dt),
         "torch.mm": lambda: torch.mm(x, W.t()),
         "x.new_empty": lambda: x.new_empty((N, r)),

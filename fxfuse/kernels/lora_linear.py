@@ -129,8 +129,7 @@ if HAVE_TRITON:
     # adapters of one layer after horizontal fusion, or several active adapters on one layer. Each tile of x is
     # read once for the whole run and masked NA times (each adapter keeps its own mask, so the result is the same
     # as NA separate calls). Triton has no lists of loop-carried tensors: the per-adapter accumulators are spelled
-    # out (acc0..acc3) and the unused ones are compiled away (NA is a constexpr).
-    MAX_RUN = 4
+    # out (acc0..acc3) and the unused ones are compiled away (NA is a constexpr; runs are cut at MAX_RUN).
 
     @triton.jit
     def _masked_x_at(x, a_ptr, stride_a, rr, cols, R, DIN, seed, row0, col0, thresh, acc,
@@ -364,6 +363,9 @@ def _dropout_kernel_a(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return A if _use_triton(x) else _compute_dtype(A, x.dtype)
 
 
+MAX_RUN = 4  # adapters per dropout-kernel launch (the kernels spell out four accumulators)
+
+
 def _runs(ranks: Sequence[int], scalings: Sequence[float], dropout_p: Sequence[float]):
     """Adapters with dropout, in runs for the dropout kernels: (first adapter, count <= MAX_RUN, r, s, p) over
     consecutive adapters that share rank, scaling and dropout p (one LoraConfig: all of them)."""
@@ -377,9 +379,6 @@ def _runs(ranks: Sequence[int], scalings: Sequence[float], dropout_p: Sequence[f
         else:
             out.append((i, 1, r, s, p))
     return out
-
-
-MAX_RUN = 4  # adapters per dropout-kernel launch (the kernels spell out four accumulators)
 
 
 def _projection_slices(counts: Sequence[int], ranks: Sequence[int]) -> List[slice]:
@@ -501,14 +500,14 @@ def lora_backward(gys, x, weights, A, Bs, V, seeds, ranks, counts, scalings, dro
     gx = ga = None
     gws, gbiases, gbs = [], [], []
     need_gv = need_gx or need_ga
-    Bcs = [_compute_dtype(B, x.dtype) for B in Bs] if (need_gv or need_gb) else []
+
     # grad of the scaled V: gV_j = gy_j @ B_j (written straight into its columns of one [N, R] buffer). Both
     # products that read gy stay in cuBLAS: a Triton kernel computing them from one read of gy (atomics for gB)
     # measured no faster on H200 (lora_notes.md).
     if need_gv:
         gV = x.new_empty((N, A.shape[0]))
-        for gy, Bc, cols in zip(gys, Bcs, projs):
-            torch.mm(gy, Bc, out=gV[:, cols])
+        for gy, B, cols in zip(gys, Bs, projs):
+            torch.mm(gy, _compute_dtype(B, x.dtype), out=gV[:, cols])
         # Adapters without dropout take cuBLAS below; their scaling goes into gV (a tiny [N, r] multiply). The
         # dropout kernels fold it into their epilogue.
         for o, r, s, p in zip(offs, ranks, scalings, dropout_p):
