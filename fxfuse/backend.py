@@ -13,18 +13,20 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 from . import registry
-from .errors import FxFusePassError, FxFuseValidationError, node_location
+from .errors import FxFuseError, FxFusePassError, FxFuseValidationError, node_location
 from .graph_utils import graph_modules, node_val
 from .options import FxFuseOptions
 from .report import FUSED, ROLLED_BACK, SKIPPED, FusionReport, SiteRecord, _publish
-from .validation import GraphSnapshot, compare_signatures, fake_propagate, output_signature
+from .validation import (GraphSnapshot, GuardWatch, NodeState, PropagationError, compare_signatures,
+                         output_signature, propagate)
 
 log = logging.getLogger("fxfuse")
 
@@ -128,46 +130,6 @@ class PassContext:
         return [m for _, m in graph_modules(gm)]
 
 
-def _node_shapes(gm: fx.GraphModule) -> Dict[fx.Node, tuple]:
-    out = {}
-    for n in gm.graph.nodes:
-        v = node_val(n)
-        if isinstance(v, torch.Tensor):
-            out[n] = (tuple(v.shape), v.dtype)
-    return out
-
-
-class _TrackingProp:
-    """Remembers which node fake propagation was executing when it failed."""
-
-    def __init__(self):
-        self.node: Optional[fx.Node] = None
-
-
-def _propagate_tracking(gm, example_inputs, fake_mode, tracker: _TrackingProp):
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    class Prop(FakeTensorProp):
-        def run_node(self, n):
-            tracker.node = n
-            return super().run_node(n)
-
-    # A broken rewrite makes FakeTensor log the failing meta kernel at ERROR level before raising; we report
-    # the failure ourselves, with the pass's name, so keep that log quiet while validating.
-    ft_log = logging.getLogger("torch._subclasses.fake_tensor")
-    old = ft_log.level
-    ft_log.setLevel(logging.CRITICAL)
-    from .validation import _propagate_subgraphs, preserved_autocast_state
-
-    try:
-        with preserved_autocast_state():
-            Prop(gm, mode=fake_mode).propagate(*example_inputs)
-            tracker.node = None
-            _propagate_subgraphs(gm, fake_mode)
-    finally:
-        ft_log.setLevel(old)
-
-
 def _describe_node(n: fx.Node) -> str:
     def show(a):
         if isinstance(a, fx.Node):
@@ -193,55 +155,93 @@ def _locate(n: Optional[fx.Node]) -> str:
     return "<no source information>"
 
 
-def _run_pass(gm, spec, ctx: PassContext, example_inputs, fake_mode, baseline) -> int:
-    """Run one pass with snapshot, validation and rollback. Returns the sites it changed (0 if rolled back)."""
+def _raise_site(e: BaseException) -> str:
+    """Where an exception was raised, as the innermost frame outside torch (a pass's own line)."""
+    import traceback
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    frames = traceback.extract_tb(e.__traceback__)
+    for fr in reversed(frames):
+        if not os.path.abspath(fr.filename).startswith(torch_dir):
+            return f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
+    return "<inside torch>"
+
+
+def _signatures(gm: fx.GraphModule) -> Dict[fx.GraphModule, list]:
+    """Output signature of ``gm`` and of every subgraph it calls (a rewrite inside a checkpoint body must keep
+    the body's outputs as they were)."""
+    return {m: output_signature(m) for _, m in graph_modules(gm)}
+
+
+def _check_pass(gm, ctx: PassContext, fake_mode, before: NodeState, baselines) -> Tuple[Optional[str], Optional[fx.Node]]:
+    """Re-propagate what the pass changed and compare every graph's outputs. (problem, culprit) or (None, None)."""
+    for m in ctx.graph_modules(gm):
+        m.graph.lint()
+        m.recompile()
+    try:
+        propagate(gm, fake_mode, before=before)
+    except PropagationError as e:
+        culprit = e.node
+        cause = e.__cause__ or e
+        return (f"the rewritten graph no longer type-checks under FakeTensor at "
+                f"{_describe_node(culprit) if culprit is not None else '?'}: "
+                f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"), culprit
+    try:
+        effective = _effective_signature(gm, ctx.substitutions + ctx._pending_subs, fake_mode)
+    except Exception as e:
+        return f"an output substitution does not rebuild under FakeTensor: {type(e).__name__}: {e}", None
+    for m, base in baselines.items():
+        if m is not gm and m not in dict(graph_modules(gm)).values():
+            continue
+        after = effective if m is gm else output_signature(m)
+        mismatch = compare_signatures(base, after)
+        if mismatch is None:
+            continue
+        idx, what = mismatch
+        exp = base[idx].describe() if idx >= 0 else f"{len(base)} outputs"
+        got = after[idx].describe() if 0 <= idx < len(after) else f"{len(after)} outputs"
+        culprit = after[idx].node if 0 <= idx < len(after) else None
+        where = "graph output" if m is gm else "subgraph output"
+        return f"{where} {idx}: {what}: expected {exp}, got {got}", culprit
+    return None, None
+
+
+def _run_pass(gm, spec, ctx: PassContext, fake_mode, baselines) -> int:
+    """Run one pass with snapshot, validation and rollback. Returns the sites it changed (0 if rolled back).
+
+    Validation runs whenever the graph changed, whatever the pass returned; a pass that raises, returns something
+    other than an int, breaks fake propagation, changes an output, or would add a guard on a symbolic size is
+    rolled back to the exact graph it started from.
+    """
     snapshot = GraphSnapshot(gm)
-    before_shapes = _node_shapes(gm)
+    before = NodeState(gm)
     ctx.pass_name = spec.name
     ctx._pending = []
     ctx._pending_subs = []
-    tracker = _TrackingProp()
     culprit: Optional[fx.Node] = None
     raised = False
+    loc = None
+    changed = 0
     t0 = time.perf_counter()
-    try:
-        changed = spec.fn(gm, ctx)
-        problem = None
-        if changed:
-            for m in ctx.graph_modules(gm):
-                m.graph.lint()
-                m.recompile()
-            try:
-                _propagate_tracking(gm, example_inputs, fake_mode, tracker)
-            except Exception as e:
-                culprit = tracker.node
-                cause = e.__cause__ or e
-                problem = (f"the rewritten graph no longer type-checks under FakeTensor at "
-                           f"{_describe_node(culprit) if culprit is not None else '?'}: "
-                           f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
-            if problem is None:
-                try:
-                    effective = _effective_signature(gm, ctx.substitutions + ctx._pending_subs, fake_mode)
-                except Exception as e:
-                    effective = None
-                    problem = (f"an output substitution does not rebuild under FakeTensor: "
-                               f"{type(e).__name__}: {e}")
-            if problem is None:
-                mismatch = compare_signatures(baseline, effective)
-                if mismatch is not None:
-                    idx, what = mismatch
-                    after = effective
-                    exp = baseline[idx].describe() if idx >= 0 else f"{len(baseline)} outputs"
-                    got = after[idx].describe() if 0 <= idx < len(after) else f"{len(after)} outputs"
-                    after_shapes = _node_shapes(gm)
-                    culprit = next((n for n in gm.graph.nodes if n in before_shapes and n in after_shapes
-                                    and before_shapes[n] != after_shapes[n]), None)
-                    culprit = culprit or (after[idx].node if 0 <= idx < len(after) else None)
-                    problem = f"graph output {idx}: {what}: expected {exp}, got {got}"
-    except Exception as e:
-        changed, problem, raised = 0, f"the pass raised {type(e).__name__}: {e}", True
-    finally:
-        ctx.report.pass_ms[spec.name] = ctx.report.pass_ms.get(spec.name, 0.0) + (time.perf_counter() - t0) * 1e3
+    with GuardWatch(fake_mode) as watch:
+        try:
+            changed = spec.fn(gm, ctx)
+            if isinstance(changed, bool) or not isinstance(changed, int):
+                raise TypeError(f"pass {spec.name!r} returned {changed!r}; a pass must return the number of sites "
+                                f"it changed (an int)")
+            problem = None
+            if before.changed(gm) or changed or ctx._pending_subs:
+                problem, culprit = _check_pass(gm, ctx, fake_mode, before, baselines)
+        except Exception as e:
+            changed, raised = 0, True
+            problem = f"the pass raised {type(e).__name__}: {e}"
+            loc = _raise_site(e)
+        finally:
+            ctx.report.pass_ms[spec.name] = ctx.report.pass_ms.get(spec.name, 0.0) + \
+                (time.perf_counter() - t0) * 1e3
+    if problem is None and watch.attempts:
+        problem = ("the rewrite specialised a symbolic size, which would recompile the model for every new "
+                   f"length: {watch.describe()}")
     if problem is None:
         if changed and not spec.builtin and not ctx._pending:
             ctx._pending.append(SiteRecord(spec.name, FUSED, f"{changed} site(s) rewritten by a user pass",
@@ -252,11 +252,10 @@ def _run_pass(gm, spec, ctx: PassContext, example_inputs, fake_mode, baseline) -
             ctx.report.passes_run.append(spec.name)
         return int(changed)
 
-    snapshot.restore()
-    fake_propagate(gm, example_inputs, fake_mode)  # meta['val'] as it was, for the next pass
-    loc = _locate(culprit)
+    snapshot.restore()  # restored nodes carry the values they had before the pass
+    loc = loc or _locate(culprit)
     ctx.report.records.append(SiteRecord(spec.name, ROLLED_BACK, spec.name, problem, loc))
-    msg = (f"fxfuse pass '{spec.name}' was rolled back: {problem}\n  at: {loc}")
+    msg = f"fxfuse pass '{spec.name}' was rolled back: {problem}\n  at: {loc}"
     if ctx.options.strict:
         exc = FxFusePassError if raised else FxFuseValidationError
         raise exc(msg + "\n  (strict=True: raising instead of falling back to the unfused graph)")
@@ -327,6 +326,100 @@ def _dump(debug_dir: str, name: str, gm: fx.GraphModule) -> None:
         f.write(gm.print_readable(print_output=False, include_stride=True, include_device=True))
 
 
+def _run_passes(gm, example_inputs, specs, opts: FxFuseOptions, rep: FusionReport, fake_mode):
+    """Every enabled pass, each validated and rolled back on its own. Nothing in fxfuse's own analysis may break
+    the user's compile: anything unexpected restores the graph as Dynamo gave it (Inductor then lowers it
+    unchanged) and is reported; ``strict=True`` raises instead."""
+    from .validation import values_fake_mode
+
+    fake_mode = values_fake_mode(gm) or fake_mode  # new nodes run in the mode of the values Dynamo recorded
+    pristine = GraphSnapshot(gm)
+    t0 = time.perf_counter()
+    try:
+        with GuardWatch(fake_mode) as watch:
+            propagate(gm, fake_mode, example_inputs)
+        rep.pass_ms["<fake propagation>"] = (time.perf_counter() - t0) * 1e3
+        if watch.attempts:
+            raise _Unsound(f"fake propagation of the graph as Dynamo gave it would add a shape guard: "
+                           f"{watch.describe()}; no pass ran")
+        ctx = PassContext(rep, opts, fake_mode, root=gm)
+        baselines = _signatures(gm)
+        for spec in specs:
+            _run_pass(gm, spec, ctx, fake_mode, baselines)
+        return ctx.substitutions
+    except FxFuseError as e:
+        if opts.strict and not isinstance(e, _Unsound):
+            raise
+        problem, loc = str(e), "<fxfuse>"
+    except Exception as e:
+        problem = f"fxfuse's own analysis failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        node = getattr(e, "node", None)
+        loc = _locate(node) if node is not None else _raise_site(e)
+        if isinstance(e, PropagationError) and node is not None:
+            problem += f" at {_describe_node(node)}"
+    pristine.restore()
+    for r in rep.records:
+        if r.status == FUSED:
+            r.status, r.reason = ROLLED_BACK, "undone with the whole graph: " + problem
+    rep.records.append(SiteRecord("<fxfuse>", ROLLED_BACK, "every pass", problem, loc))
+    msg = f"fxfuse left this graph unfused: {problem}\n  at: {loc}"
+    if opts.strict:
+        raise FxFuseError(msg + "\n  (strict=True: raising instead of compiling the graph unfused)")
+    log.warning("%s", msg)
+    return []
+
+
+class _Unsound(FxFuseError):
+    """fxfuse cannot analyse this graph without changing how it is compiled."""
+
+
+# frame id -> (compiles seen, description of each compile's inputs); for the recompile-limit warning
+_FRAME_COMPILES: Dict[Any, List[str]] = {}
+
+
+def _describe_inputs(gm: fx.GraphModule, example_inputs) -> Dict[str, str]:
+    out = {}
+    for n, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        v = node_val(n)
+        if isinstance(v, torch.Tensor):
+            out[n.name] = f"{str(v.dtype).replace('torch.', '')}[{', '.join(map(str, v.shape))}]"
+        elif isinstance(v, (int, float, torch.SymInt, torch.SymFloat)):
+            out[n.name] = f"{type(x).__name__} {v}"
+    return out
+
+
+def _warn_near_recompile_limit(gm: fx.GraphModule, example_inputs, rep: FusionReport) -> None:
+    """Once per frame, when fxfuse compiles a frame for the last time Dynamo allows: say so, and what changed
+    since the previous compile of that frame (from then on new inputs run that frame eagerly, without fxfuse or
+    Inductor)."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        if cid is None or getattr(cid, "frame_id", None) is None:
+            return
+        limit = int(getattr(torch._dynamo.config, "recompile_limit",
+                            getattr(torch._dynamo.config, "cache_size_limit", 8)))
+        frame, n = cid.frame_id, int(cid.frame_compile_id or 0)
+        seen = _FRAME_COMPILES.setdefault(frame, [])
+        now = _describe_inputs(gm, example_inputs)
+        seen.append(now)
+        if n + 1 != limit:
+            return
+        prev = seen[-2] if len(seen) > 1 else {}
+        diff = [f"{k}: {prev.get(k, '<absent>')} -> {v}" for k, v in now.items() if prev.get(k) != v]
+        diff += [f"{k}: {v} -> <absent>" for k, v in prev.items() if k not in now]
+        code = getattr(gm, "_fxfuse_frame_name", None) or rep.graph_name
+        warnings.warn(
+            f"fxfuse: frame {frame} ({code}) has now been compiled {n + 1} times, Dynamo's recompile_limit "
+            f"(torch._dynamo.config.recompile_limit = {limit}); new inputs that fail its guards will run this frame "
+            f"eagerly, without fxfuse or Inductor. Changed since its previous compile: "
+            f"{'; '.join(diff[:6]) or 'no input shape or dtype (a guard on a value or a global)'}. "
+            f"TORCH_LOGS=recompiles shows Dynamo's reasons.", stacklevel=2)
+    except Exception:  # a diagnostic must never break the compile
+        log.debug("recompile-limit check failed", exc_info=True)
+
+
 def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None,
            options: Optional[Dict[str, Any]] = None):
     """torch.compile backend: fxfuse's passes, validated, in front of Inductor.
@@ -351,15 +444,8 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
 
     subs: List[OutputSubstitution] = []
     if specs:
-        fake_mode = detect_fake_mode(example_inputs)
-        t0 = time.perf_counter()
-        fake_propagate(gm, example_inputs, fake_mode)
-        rep.pass_ms["<fake propagation>"] = (time.perf_counter() - t0) * 1e3
-        baseline = output_signature(gm)
-        ctx = PassContext(rep, opts, fake_mode, root=gm)
-        for spec in specs:
-            _run_pass(gm, spec, ctx, example_inputs, fake_mode, baseline)
-        subs = ctx.substitutions
+        subs = _run_passes(gm, example_inputs, specs, opts, rep, detect_fake_mode(example_inputs))
+    _warn_near_recompile_limit(gm, example_inputs, rep)
     _publish(rep)
 
     patches: Dict[str, Any] = {}

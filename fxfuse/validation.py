@@ -16,11 +16,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .graph_utils import graph_modules, known_true, node_val
 
-__all__ = ["GraphSnapshot", "OutputSig", "fake_propagate", "output_signature", "compare_signatures"]
+__all__ = ["GraphSnapshot", "OutputSig", "NodeState", "PropagationError", "propagate", "fake_propagate",
+           "output_signature", "compare_signatures", "GuardWatch"]
 
 
 class GraphSnapshot:
@@ -106,36 +106,218 @@ def preserved_autocast_state():
             torch.clear_autocast_cache()
 
 
+# Nodes Dynamo records for context managers and logging: they carry no value, and propagation must execute them
+# (in order) so that the nodes after them run under the same grad / autocast state as in the user's code.
+_CONTEXT_TARGETS = frozenset({"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled"})
+
+
+def _is_context_node(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") in _CONTEXT_TARGETS
+
+
+def _value(n: fx.Node) -> Any:
+    v = n.meta.get("val", None)
+    return v if v is not None else n.meta.get("example_value", None)
+
+
+class _NodeRunner(fx.Interpreter):
+    """Runs single nodes of ``gm`` on fake values (``env`` holds the values of their inputs)."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode):
+        super().__init__(gm, garbage_collect_values=False)
+        self.fake_mode = fake_mode
+
+    def get_attr(self, target, args, kwargs):
+        v = super().get_attr(target, args, kwargs)
+        if isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.fake_tensor.FakeTensor):
+            v = self.fake_mode.from_tensor(v, static_shapes=True)
+        return v
+
+
+def _same_meta(a: Any, b: Any) -> bool:
+    """Do two fake values describe the same thing (shape, dtype, device, stride; structure of tuples)?"""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
+            return False
+        if not all(_same(x, y) for x, y in zip(a.shape, b.shape)):
+            return False
+        return all(_same(s, 1) or _same(x, y) for s, x, y in zip(a.shape, a.stride(), b.stride()))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_meta(x, y) for x, y in zip(a, b))
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)) and \
+            isinstance(b, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+        return _same(a, b)
+    return False
+
+
+def _same_args(a: Any, b: Any) -> bool:
+    """Structural equality of node arguments: nodes and tensors by identity, everything else by ``==``."""
+    if isinstance(a, (fx.Node, torch.Tensor)) or isinstance(b, (fx.Node, torch.Tensor)):
+        return a is b
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_args(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_args(a[k], b[k]) for k in a)
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return a is b
+
+
+class NodeState:
+    """What each node of ``gm`` and of its subgraphs computes (op, target, arguments), to tell afterwards which
+    nodes a pass created or changed: only those (and what their new values reach) are re-propagated."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.calls = {}
+        for _, mod in graph_modules(gm):
+            self.calls[mod] = {n: (n.op, n.target, n.args, dict(n.kwargs)) for n in mod.graph.nodes}
+
+    def changed(self, gm: fx.GraphModule) -> bool:
+        """Did anything change since: a node added, removed or given other arguments, in any graph module?"""
+        mods = [m for _, m in graph_modules(gm)]
+        if set(mods) != set(self.calls):
+            return True
+        for m in mods:
+            nodes = list(m.graph.nodes)
+            if len(nodes) != len(self.calls[m]) or any(self.dirty(m, n) for n in nodes):
+                return True
+        return False
+
+    def dirty(self, mod: fx.GraphModule, n: fx.Node) -> bool:
+        old = self.calls.get(mod, {}).get(n)
+        if old is None:
+            return True
+        op, target, args, kwargs = old
+        same_target = target is n.target or (isinstance(target, str) and target == n.target)
+        return not (op == n.op and same_target and _same_args(args, n.args)
+                    and _same_args(kwargs, dict(n.kwargs)))
+
+
+_PROPAGATING: List[Optional[fx.Node]] = [None]  # the node propagate() is running (named in guard reports)
+
+
+class PropagationError(RuntimeError):
+    """Fake propagation failed at ``node`` (``__cause__`` is the error)."""
+
+    def __init__(self, node: Optional[fx.Node], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.node = node
+
+
+def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[Any]] = None,
+              before: Optional[NodeState] = None) -> None:
+    """Give every node of ``gm`` (and of its subgraphs) a fake value in ``meta['val']``, re-running as little as
+    possible.
+
+    Nodes keep the value Dynamo recorded when it traced them (``example_value``); only nodes that have no value,
+    that a pass created or changed since ``before`` was taken, or whose inputs' values changed are run again, under
+    ``fake_mode``. Re-running the user's own ops is what used to add shape guards (HF's label shift ``pad`` asked
+    for a concrete length and specialised every dynamic graph to one length): Dynamo already traced them, so their
+    values are reused as they are. A value equal in shape, dtype, device and stride to the one it replaces stops
+    the re-propagation there. Raises :class:`PropagationError` naming the node that failed.
+    """
+    mods = [m for _, m in graph_modules(gm)]
+    fake_mode = values_fake_mode(gm) or fake_mode
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if example_inputs is not None:
+        for n, x in zip(phs, example_inputs):
+            if _value(n) is None:
+                if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+                    x = fake_mode.from_tensor(x)
+                n.meta["val"] = x
+    callers = {}
+    for m in mods:
+        for n in m.graph.nodes:
+            if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) \
+                    and n.args[0].op == "get_attr":
+                body = getattr(m, n.args[0].target, None)
+                if isinstance(body, fx.GraphModule):
+                    callers.setdefault(body, n)
+    with preserved_autocast_state(), torch.set_grad_enabled(torch.is_grad_enabled()), _quiet_fake_tensor_log():
+        for m in mods:
+            runner = _NodeRunner(m, fake_mode)
+            changed = set()
+            body_ph = iter([])
+            if m in callers:  # a subgraph body: placeholders without a value take the caller's operands'
+                body_ph = iter(callers[m].args[1:])
+            for n in m.graph.nodes:
+                if n.op == "output":
+                    continue
+                cur = _value(n)
+                if n.op == "placeholder":
+                    operand = next(body_ph, None)
+                    if cur is None and isinstance(operand, fx.Node):
+                        cur = _value(operand)
+                        n.meta["val"] = cur
+                    if cur is None and n.op == "placeholder":
+                        cur = n.meta.get("val")
+                    runner.env[n] = cur
+                    continue
+                need = (cur is None or (before is not None and before.dirty(m, n))
+                        or any(a in changed for a in n.all_input_nodes))
+                if not need and not _is_context_node(n):
+                    if n.meta.get("val", None) is None:
+                        n.meta["val"] = cur
+                    runner.env[n] = cur
+                    continue
+                _PROPAGATING[0] = n
+                try:
+                    with fake_mode:
+                        val = runner.run_node(n)
+                except Exception as e:
+                    raise PropagationError(n, e) from e
+                finally:
+                    _PROPAGATING[0] = None
+                runner.env[n] = val
+                if _is_context_node(n):
+                    continue
+                new = fx.node.map_aggregate(val, lambda x: x)  # tuples stay tuples
+                n.meta["val"] = new
+                if cur is None or not _same_meta(cur, new):
+                    changed.add(n)
+
+
+def values_fake_mode(gm: fx.GraphModule):
+    """The fake mode of the values already on ``gm``'s nodes (Dynamo's tracing mode), if any.
+
+    Dynamo hands the backend a fresh fake mode over the same shape environment; values recorded while tracing
+    belong to the tracing mode, and new nodes must run in the mode of their inputs ("Mixing fake modes NYI")."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for n in gm.graph.nodes:
+        v = _value(n)
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+        if n.op not in ("placeholder", "get_attr"):
+            break
+    for n in gm.graph.nodes:
+        v = _value(n)
+        if isinstance(v, FakeTensor):
+            return v.fake_mode
+    return None
+
+
 def fake_propagate(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) -> None:
-    """Fill ``meta['val']`` on every node of ``gm`` and of the subgraphs it calls, under ``fake_mode``."""
-    with preserved_autocast_state():
-        FakeTensorProp(gm, mode=fake_mode).propagate(*example_inputs)
-        _propagate_subgraphs(gm, fake_mode)
+    """Fill ``meta['val']`` on every node of ``gm`` and of its subgraphs (see :func:`propagate`)."""
+    propagate(gm, fake_mode, example_inputs)
 
 
-def _propagate_subgraphs(gm: fx.GraphModule, fake_mode) -> None:
-    # A higher-order op call looks like hop(get_attr[body], *operands) (tag_activation_checkpoint, wrap, ...).
-    # Give the body's placeholders the operands' fake values and propagate it too, so passes inside see the same
-    # symbolic sizes as the outer graph. Bodies we can't line up keep Dynamo's example_value.
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not node.args:
-            continue
-        body_ref = node.args[0]
-        if not (isinstance(body_ref, fx.Node) and body_ref.op == "get_attr"):
-            continue
-        body = getattr(gm, body_ref.target, None)
-        if not isinstance(body, fx.GraphModule):
-            continue
-        operands = [node_val(a) if isinstance(a, fx.Node) else a for a in node.args[1:]]
-        n_ph = sum(1 for n in body.graph.nodes if n.op == "placeholder")
-        if n_ph != len(operands):
-            continue
-        try:
-            with fake_mode:
-                FakeTensorProp(body, mode=fake_mode).propagate_dont_convert_inputs(*operands)
-        except Exception:
-            continue
-        _propagate_subgraphs(body, fake_mode)
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    # A broken rewrite makes FakeTensor log the failing meta kernel at ERROR level before raising; fxfuse reports
+    # the failure itself, with the pass's name.
+    import logging
+
+    ft_log = logging.getLogger("torch._subclasses.fake_tensor")
+    old = ft_log.level
+    ft_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ft_log.setLevel(old)
 
 
 def output_signature(gm: fx.GraphModule) -> List[OutputSig]:
@@ -183,3 +365,75 @@ def compare_signatures(before: List[OutputSig], after: List[OutputSig]) -> Optio
             if not _same(sz, 1) and not _same(x, y):
                 return b.index, "stride changed"
     return None
+
+
+# ================================================================================================ guard watch
+class GuardWatch:
+    """Catches every guard fxfuse's own code would put on a symbolic size, and keeps it out of the compile.
+
+    Inside the block the shape environment records no guard (``ShapeEnv.suppress_guards``); each guard that would
+    have been added is kept in :attr:`attempts` as (expression, innermost frame outside torch). A guard such as
+    ``Eq(s27, 62)`` specialises the graph to one length and makes Dynamo recompile for every new length, so a pass
+    (or a fake impl, or validation) that asks for one must be rolled back: the caller does that when
+    :attr:`attempts` is not empty, so the graph that reaches Inductor never depends on a value read under
+    suppression. Where the installed torch lacks the hook used to observe suppressed guards, guards are left
+    enabled and counted instead (the compile stays correct; it may be specialised).
+    """
+
+    def __init__(self, fake_mode):
+        self.shape_env = getattr(fake_mode, "shape_env", None) if fake_mode is not None else None
+        self.attempts: List[Tuple[str, str]] = []
+        self._cm = None
+        self._n0 = 0
+
+    def __enter__(self) -> "GuardWatch":
+        se = self.shape_env
+        if se is None:
+            return self
+        self._n0 = len(se.guards)
+        orig = getattr(se, "_log_guard", None)
+        if orig is not None and hasattr(se, "suppress_guards"):
+            attempts = self.attempts
+
+            def log_guard(prefix, g, *args, **kwargs):
+                if "suppressed" in str(prefix):
+                    where = _where_outside_torch()
+                    n = _PROPAGATING[0]
+                    if n is not None:
+                        where += f" (fake propagation of %{n.name} = {getattr(n.target, '__name__', n.target)})"
+                    attempts.append((str(g), where))
+                return orig(prefix, g, *args, **kwargs)
+
+            se._log_guard = log_guard  # instance attribute shadows the method while we watch
+            self._cm = se.suppress_guards()
+            self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        se = self.shape_env
+        if se is None:
+            return
+        if self._cm is not None:
+            self._cm.__exit__(*exc)
+            self._cm = None
+            se.__dict__.pop("_log_guard", None)
+        for g in se.guards[self._n0:]:  # guards that got through anyway (no suppression hook)
+            self.attempts.append((str(g.expr), str(getattr(g, "sloc", "")) or "<unknown>"))
+
+    def describe(self) -> str:
+        first, where = self.attempts[0]
+        more = f" (and {len(self.attempts) - 1} more)" if len(self.attempts) > 1 else ""
+        return f"it would add the shape guard {first}{more}, asked for at {where}"
+
+
+def _where_outside_torch() -> str:
+    import os
+    import traceback
+
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        f = os.path.abspath(fr.filename)
+        if f.startswith(torch_dir) or fr.filename.startswith("<") or "/sympy/" in f:
+            continue
+        return f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}"
+    return "<inside torch>"
