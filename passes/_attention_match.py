@@ -49,6 +49,8 @@ class AttentionSite:
     n_rep: int = 1
     nodes: List[fx.Node] = field(default_factory=list)  # nodes the rewrite may leave dead, graph order
     cast_to: Optional[torch.dtype] = None  # autocast: both matmuls ran in this dtype on fp32 inputs
+    masked_rows: int = 0                 # what eager gives a fully masked row: 0 n/a (no mask), 1 uniform
+                                         # (a finite fill: HF's finfo.min), 2 NaN (a -inf fill)
 
 
 def known_number(a: Any) -> Optional[float]:
@@ -255,7 +257,7 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
 
     # ---- up: softmax input .. q @ k^T
     chain: List[fx.Node] = []
-    mask, mask_negate, mask_kind = None, False, "none"
+    mask, mask_negate, mask_kind, masked_rows = None, False, "none", 0
     after, before, tanh = 1.0, 1.0, False  # multipliers nearer the softmax than the tanh / nearer the matmul
     seen_scale = False
     n = x
@@ -299,7 +301,9 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
             if k == "add":
                 if not mv.dtype.is_floating_point:
                     return None, f"additive mask of dtype {mv.dtype} (only float masks are additive)"
-                mask, mask_kind = m, "additive"
+                # HF's eager masks: 0 / finfo(dtype).min. A fully masked row's scores are all absorbed into the
+                # fill: eager's softmax is uniform there (a -inf entry would make it NaN: not HF's masks).
+                mask, mask_kind, masked_rows = m, "additive", 1
             else:
                 if mv.dtype != torch.bool:
                     return None, f"{k} with a {mv.dtype} condition"
@@ -315,6 +319,7 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
                     if len(chain_m.users) == 1:
                         chain.append(chain_m)
                 mask, mask_negate, mask_kind = m, negate, "bool"
+                masked_rows = 2 if known_number(fill) == -math.inf else 1
             chain.append(n)
             n = src
             continue
@@ -482,5 +487,5 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
             return None, why
     nodes = pre_q + krep_nodes + vrep_nodes + ([kt] if k_rep is not None else []) + [qk] + chain[::-1] + [sm] + post
     site = AttentionSite(sm, qk, pv_node, q, k0, k_t, v0, float(scaling), float(softcap), mask, mask_negate,
-                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes, cast_to)
+                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes, cast_to, masked_rows)
     return site, None

@@ -23,9 +23,11 @@ block structure from the data (tiles classified empty / full / partial, once per
 are skipped and the mask is read only on partial ones, without this pass having to recognise how the mask was
 built.
 
-One semantic difference, documented by the op: a query row whose every key is masked (HF's fully padded query
-rows with finfo.min masks) yields zeros in the fused op instead of eager's uniform average over the masked keys.
-Such rows are padding: their outputs only reach positions a correct loss ignores (labels -100).
+A query row whose every key is masked (left padding: a pad query sees only pad keys) gets what eager gives it,
+forward and backward: with HF's finfo.min masks (additive, or masked_fill / where with a finite fill) every score
+of the row is absorbed into the fill, so eager averages v uniformly over all keys and still backpropagates
+through the raw scores; with a -inf fill eager gives NaN. The op's ``masked_rows`` argument carries which
+(``uniform`` / ``nan``, in the report); the loss stays eager's even when such rows keep their labels.
 
 Under autocast (AMP: fp32 q / k / v, both matmuls returning bf16 / fp16) the op gets q / k / v cast to that
 dtype, as autocast casts them for the matmuls (``autocast_dtype`` in the report).
@@ -69,7 +71,7 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
                 copy_node_meta(c, site.qk)
             q, k, v = casts
         node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
-                               (q, k, v, mask, site.scaling, site.softcap, False, 0))
+                               (q, k, v, mask, site.scaling, site.softcap, False, 0, site.masked_rows))
         out = g.call_function(operator.getitem, (node, 0))
     copy_node_meta(node, site.qk)
     copy_node_meta(out, site.qk)
@@ -109,6 +111,7 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
             detail = dict(scaling=site.scaling, softcap=site.softcap, mask=site.mask_kind,
                           mask_node=site.mask.name if site.mask is not None else None, n_rep=site.n_rep,
                           causal=False, window=0, dropout=site.dropout, scores_numel=score_numel,
+                          masked_rows=("zeros", "uniform", "nan")[site.masked_rows],
                           autocast_dtype=str(site.cast_to) if site.cast_to is not None else None,
                           erased=[n.name for n in erased])
             op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"

@@ -66,13 +66,18 @@ def structured_mask(B, S, kind, *, window=0, pad_left=0, pad_right=0, dtype=torc
     return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
 
 
-def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, tol=None):
+MODES = {"zero": K.MASKED_ROWS_ZERO, "uniform": K.MASKED_ROWS_UNIFORM, "nan": K.MASKED_ROWS_NAN}
+
+
+def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, tol=None, masked_rows="zero"):
     fn = fn or softcap_attention
-    out = fn(q, k, v, mask=mask, scaling=scaling, softcap=softcap, causal=causal, window=window)
+    kw = {} if masked_rows == "zero" else {"masked_rows": masked_rows}
+    out = fn(q, k, v, mask=mask, scaling=scaling, softcap=softcap, causal=causal, window=window, **kw)
     out.backward(do)
     grads = [t.grad for t in (q, k, v)]
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = K.attention_reference(qd, kd, vd, mask, scaling, softcap or 0.0, causal, window or 0)
+    ref = K.attention_reference(qd, kd, vd, mask, scaling, softcap or 0.0, causal, window or 0,
+                                masked_rows=MODES[masked_rows])
     ref.backward(do.double())
     tol = tol or TOL[q.dtype]
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -116,6 +121,36 @@ def test_fully_masked_rows_zero_output_and_grads():
         b = slice(None) if mk == "bool" else -1
         assert (out[b][..., [0, 5, 6], :] == 0).all()
         assert (dq[b][..., [0, 5, 6], :] == 0).all()
+
+
+def left_padded_case(dtype, mask_kind, *, B=2, Hq=4, Hkv=2, S=37, Dh=32, pad=9, seed=0):
+    """HF's left padding: batch 1's first ``pad`` tokens are padding, so its first ``pad`` query rows see no key
+    at all (causal + key padding); finfo.min additive or bool (True = keep) masks."""
+    q, k, v, do, _ = make_case(B, Hq, Hkv, S, Dh, dtype, seed=seed)
+    keep = torch.ones(S, S).tril().bool()[None].repeat(B, 1, 1)
+    keep[1, :, :pad] = False
+    if mask_kind == "bool":
+        return q, k, v, do, keep[:, None]
+    return q, k, v, do, torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep[:, None], torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_masked_rows_follow_eager(dtype, softcap):
+    """masked_rows="uniform": eager's finfo.min masks give a fully masked row the mean of v over every key, and
+    gradients through the raw scores (dq of those rows, dk / dv of every key); the fused op matches float64
+    eager there, forward and backward. "nan": eager's -inf fill gives NaN rows and NaN dk / dv."""
+    q, k, v, do, mask = left_padded_case(dtype, "additive")
+    out, (dq, dk, dv) = check(q, k, v, do, mask, softcap=softcap, causal=False, window=0, masked_rows="uniform")
+    torch.testing.assert_close(out[1, :, :9].float(), v[1].float().mean(1, keepdim=True).repeat_interleave(2, 0)
+                               .expand(4, 9, 32), rtol=0, atol=TOL[dtype] * 4)
+    assert dq[1, :, :9].abs().amax() > 0  # the rows' gradient is not dropped
+    q, k, v, do, mask = left_padded_case(dtype, "bool")
+    out = softcap_attention(q, k, v, mask=mask, softcap=softcap, masked_rows="nan")
+    out.backward(do)
+    assert torch.isnan(out[1, :, :9]).all() and not torch.isnan(out[1, :, 9:]).any() and not torch.isnan(out[0]).any()
+    assert torch.isnan(q.grad[1, :, :9]).all() and not torch.isnan(q.grad[1, :, 9:]).any()
+    assert torch.isnan(k.grad[1]).all() and not torch.isnan(k.grad[0]).any() and torch.isnan(v.grad[1]).all()
 
 
 def test_causal_rows_before_first_key_and_s_ne_skv():
@@ -184,6 +219,15 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
             res.append(["ranges", kind, S, win, pl, pr, "ok"])
         except AssertionError as e:
             res.append(["ranges", kind, S, win, pl, pr, "FAIL " + str(e)[:300]])
+    # fully masked rows (left padding) in the uniform mode: forward epilogue + the two dead-row kernels
+    for dt, cap, mk, Dh in [(torch.float32, 30.0, "additive", 32), (torch.float32, 0.0, "bool", 64),
+                            (torch.bfloat16, 30.0, "additive", 32)]:
+        q, k, v, do, m = T.left_padded_case(dt, mk, Dh=Dh, S=41, pad=19)
+        try:
+            T.check(q, k, v, do, m, softcap=cap, causal=False, window=0, masked_rows="uniform")
+            res.append(["uniform", str(dt), cap, mk, "ok"])
+        except AssertionError as e:
+            res.append(["uniform", str(dt), cap, mk, "FAIL " + str(e)[:300]])
     # the ranges themselves: a causal mask tensor [S, S] at 16x16 tiles keeps key blocks [0, r] for query
     # block r, [0, r) FULL (but never a tile past the last key); key padding on the right empties tiles
     S = 70

@@ -16,9 +16,20 @@ causal keeps ``ki <= qi + off``; a sliding ``window`` W (only together with caus
 
 Fully masked rows: a key is *masked* when its index mask says so, when a bool mask is False, or when an
 additive mask value is <= -65504 (= finfo(fp16).min; HF's eager masks use finfo(dtype).min, so its padding
-entries count as masked in every dtype). A row whose every key is masked outputs ZEROS (eager would give NaN
-for -inf rows and a uniform average for finfo.min rows) and gets zero gradients. Partially masked rows are
-unaffected by the threshold: exp(-65504) is 0 in fp32 either way.
+entries count as masked in every dtype). Partially masked rows are unaffected by the threshold: exp(-65504) is 0
+in fp32 either way. A row whose every key is masked (left padding: a pad query sees only pad keys) gets what the
+attention it replaces gives, chosen by ``masked_rows``:
+
+* ``MASKED_ROWS_ZERO`` (0): zeros and zero gradients: ``scaled_dot_product_attention`` with a bool mask (its
+  math path's safe softmax since torch 2.5).
+* ``MASKED_ROWS_UNIFORM`` (1): eager softmax attention whose masked scores are a finite fill (HF's additive
+  ``finfo(dtype).min`` masks, ``masked_fill(~keep, finfo.min)``): every score of the row is absorbed into the
+  same fill value, so eager's softmax is uniform over all Skv keys: out = mean_j v_j, and its backward still
+  flows through the (absorbed) raw scores: dS_ij = (1/Skv) (dO_i . v_j - dO_i . out_i) * dsoftcap(s_ij), a dense
+  term over every key that the block-skipping kernels never visit. Two extra kernels add it (``_attn_bwd_dead_*``);
+  they skip every query block without such a row, so they cost next to nothing when there is none.
+* ``MASKED_ROWS_NAN`` (2): eager attention masked with -inf (``masked_fill(~keep, -inf)``): NaN rows, and
+  NaN gradients for dq there and for all of dk / dv of that (batch, kv head), as eager's softmax backward gives.
 
 Memory: the forward saves ``lse`` [B, Hq, S] fp32 (natural log; +inf marks a fully masked row so that the
 backward's exp(s - lse) is exactly 0 there); nothing of size S x Skv is ever stored.
@@ -62,12 +73,17 @@ __all__ = [
     "attention_bwd_triton",
     "interpreting",
     "DEFAULT_CONFIGS",
+    "MASKED_ROWS_ZERO",
+    "MASKED_ROWS_UNIFORM",
+    "MASKED_ROWS_NAN",
 ]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # Additive mask values at or below this count as "masked" (see module docstring).
 MASKED_BELOW = -65504.0
+# What a fully masked query row gives (see module docstring).
+MASKED_ROWS_ZERO, MASKED_ROWS_UNIFORM, MASKED_ROWS_NAN = 0, 1, 2
 
 
 def interpreting() -> bool:
@@ -101,10 +117,12 @@ def _additive(mask: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]:
 
 
 def attention_reference(q, k, v, mask=None, scaling=None, softcap=0.0, causal=False, window=0,
-                        dtype=torch.float64):
+                        dtype=torch.float64, masked_rows=MASKED_ROWS_ZERO):
     """The eager formula in ``dtype`` (float64 by default), with repeat_interleave for GQA.
 
-    Differentiable (autograd through it gives the reference gradients). Fully masked rows give zeros.
+    Differentiable (autograd through it gives the reference gradients). Fully masked rows give zeros
+    (``MASKED_ROWS_ZERO``), what eager gives with a finfo(dtype).min fill (``MASKED_ROWS_UNIFORM``: the masked
+    entries are that fill here too, so autograd reproduces eager's gradients) or NaN (``MASKED_ROWS_NAN``).
     """
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -116,12 +134,19 @@ def attention_reference(q, k, v, mask=None, scaling=None, softcap=0.0, causal=Fa
     s = torch.matmul(qq, kk.transpose(-1, -2)) * scaling
     if softcap:
         s = torch.tanh(s / softcap) * softcap
+    raw = s
     am = _additive(mask, dtype)
     if am is not None:
         s = s + am
     ok = _allowed(S, Skv, causal, window, q.device)
     if ok is not None:
         s = s.masked_fill(~ok, float("-inf"))
+    if masked_rows == MASKED_ROWS_UNIFORM:  # eager's finite fill: raw + fill == fill for every masked entry
+        keep = ~torch.isneginf(s.detach())
+        s = torch.where(keep, s, raw + torch.finfo(dtype).min)
+        return torch.matmul(torch.softmax(s, dim=-1), vv)
+    if masked_rows == MASKED_ROWS_NAN:
+        return torch.matmul(torch.softmax(s, dim=-1), vv)
     dead = torch.isneginf(s).all(dim=-1, keepdim=True)  # fully masked rows
     s = s.masked_fill(dead, 0.0)
     p = torch.softmax(s, dim=-1).masked_fill(dead, 0.0)
@@ -196,7 +221,35 @@ def _expand_mask(mask, B, Hq, S, Skv):
     return mask.expand(B, mask.shape[1] if mask.shape[1] == Hq else 1, S, Skv)
 
 
-def attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, chunk=None):
+def _value_mean(v, G):
+    """mean_j v_j per (batch, kv head) in fp32, repeated to the q heads: [B, Hkv * G, Dh] (uniform rows)."""
+    return v.float().mean(dim=2).repeat_interleave(G, dim=1)
+
+
+def _dead_rows_fixup_torch(out, lse, v, G, masked_rows):
+    """Give fully masked rows (lse = +inf) what ``masked_rows`` says (zeros are already there)."""
+    if masked_rows == MASKED_ROWS_ZERO:
+        return out
+    dead = torch.isinf(lse).unsqueeze(-1)
+    fill = _value_mean(v, G).unsqueeze(2) if masked_rows == MASKED_ROWS_UNIFORM else float("nan")
+    return torch.where(dead, torch.as_tensor(fill, dtype=torch.float32, device=out.device), out.float()).to(out.dtype)
+
+
+def _nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows):
+    """MASKED_ROWS_NAN: eager's softmax over an all -inf row is NaN, and its backward spreads NaN to dq of that
+    row and to every dk / dv entry of the (batch, kv head) it reads."""
+    if masked_rows != MASKED_ROWS_NAN:
+        return dq, dk, dv
+    dead = torch.isinf(lse)  # [B, Hq, S]
+    B, Hq, S = dead.shape
+    any_dead = dead.view(B, Hq // G, G * S).any(-1)[:, :, None, None]  # [B, Hkv, 1, 1]
+    nan = torch.tensor(float("nan"), device=dq.device)
+    return (torch.where(dead.unsqueeze(-1), nan.to(dq.dtype), dq), torch.where(any_dead, nan.to(dk.dtype), dk),
+            torch.where(any_dead, nan.to(dv.dtype), dv))
+
+
+def attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, chunk=None,
+                        masked_rows=MASKED_ROWS_ZERO):
     """Blockwise forward on any device. Returns (out [B, Hq, S, Dh] in q.dtype, lse [B, Hq, S] fp32)."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -223,10 +276,38 @@ def attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, chunk=N
         out[:, :, q0:q1] = o.view(B, Hq, q1 - q0, Dh).to(q.dtype)
         ls = torch.where(dead, torch.full_like(l, float("inf")), m + torch.log(l))
         lse[:, :, q0:q1] = ls.view(B, Hq, q1 - q0)
-    return out, lse
+    return _dead_rows_fixup_torch(out, lse, v, G, masked_rows), lse
 
 
-def attention_bwd_torch(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, chunk=None):
+def _uniform_dead_rows_bwd_torch(do, q, k, v, lse, delta, scaling, softcap, dq, dk, dv, C):
+    """MASKED_ROWS_UNIFORM backward of the fully masked rows: p = 1/Skv over every key, the gradient through
+    the raw (absorbed) scores. Chunks without such a row are skipped (on CUDA they are computed: no host sync)."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dead_all = torch.isinf(lse)
+    for q0 in range(0, S, C):
+        q1 = min(S, q0 + C)
+        dead = dead_all[:, :, q0:q1]
+        if not q.is_cuda and not bool(dead.any()):
+            continue
+        C_ = q1 - q0
+        s, t = _chunk_scores(q, k, None, q0, q1, 0, Skv, scaling, softcap, False, 0, S, Skv)
+        p = dead.reshape(B, Hkv, G, C_, 1).to(torch.float32) / Skv
+        doc = do[:, :, q0:q1].float().reshape(B, Hkv, G * C_, Dh)
+        dp = torch.matmul(doc, v.float().transpose(-1, -2)).view(B, Hkv, G, C_, Skv)
+        ds = p * (dp - delta[:, :, q0:q1].reshape(B, Hkv, G, C_, 1))
+        if softcap:
+            ds = ds * (1.0 - t * t)
+        ds = (ds * scaling).view(B, Hkv, G * C_, Skv)
+        pe = p.expand(B, Hkv, G, C_, Skv).reshape(B, Hkv, G * C_, Skv)
+        dv += torch.matmul(pe.transpose(-1, -2), doc)
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, q0:q1].float().reshape(B, Hkv, G * C_, Dh))
+        dq[:, :, q0:q1] += torch.matmul(ds, k.float()).view(B, Hq, C_, Dh)
+
+
+def attention_bwd_torch(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, chunk=None,
+                        masked_rows=MASKED_ROWS_ZERO):
     """Blockwise backward on any device. Returns (dq, dk, dv) in the inputs' dtype."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -257,7 +338,9 @@ def attention_bwd_torch(do, q, k, v, mask, out, lse, scaling, softcap, causal, w
         dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), doc)
         dk[:, :, lo:hi] += torch.matmul(ds.transpose(-1, -2), q[:, :, q0:q1].float().reshape(B, Hkv, G * C_, Dh))
         dq[:, :, q0:q1] = torch.matmul(ds, k[:, :, lo:hi].float()).view(B, Hq, C_, Dh)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if masked_rows == MASKED_ROWS_UNIFORM:
+        _uniform_dead_rows_bwd_torch(do, q, k, v, lse, delta, scaling, softcap, dq, dk, dv, C)
+    return _nan_grads_of_dead_rows(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), lse, G, masked_rows)
 
 
 # ============================================================================================ Triton kernels
@@ -532,7 +615,7 @@ if HAVE_TRITON:
             return _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
 
     @triton.jit
-    def _attn_fwd(Q, K, V, M, RNG, O, LSE,
+    def _attn_fwd(Q, K, V, M, RNG, O, LSE, VMEAN,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
@@ -542,7 +625,7 @@ if HAVE_TRITON:
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
-                  BLOCK_MAJOR: tl.constexpr):
+                  BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr):
         pid_m, bh = _grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         h = bh % H
@@ -578,8 +661,13 @@ if HAVE_TRITON:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
                                    BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
-        dead = l_i == 0.0  # every key masked: output 0, lse = +inf (backward p = exp(s - inf) = 0)
+        dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
+        if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
+            vm = tl.load(VMEAN + bh * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+            acc = tl.where(dead[:, None], vm[None, :], acc)
+        elif MASKED_ROWS == 2:  # eager with a -inf fill: softmax of an all -inf row is NaN
+            acc = tl.where(dead[:, None], float("nan"), acc)
         lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) * 0.6931471805599453)
         tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                  acc.to(O.dtype.element_ty), mask=q_mask)
@@ -816,6 +904,121 @@ if HAVE_TRITON:
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
+if HAVE_TRITON:
+
+    # -------------------------------------------------- fully masked rows, MASKED_ROWS_UNIFORM (see docstring)
+    @triton.jit
+    def _attn_bwd_dead_dq(Q, K, V, DO, LSE, DELTA, DQ, FLAGS,
+                          stride_qb, stride_qh, stride_qm, stride_qd,
+                          stride_kb, stride_kh, stride_kn, stride_kd,
+                          stride_vb, stride_vh, stride_vn, stride_vd,
+                          stride_dob, stride_doh, stride_dom, stride_dod,
+                          stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                          H, G, S, SKV, NQB, sc_mul, scaling, inv_skv,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
+        """dq += the fully masked rows' share: p = 1/Skv on every key, ds = p (dO.v - D) dsoftcap. Also writes
+        FLAGS[bh, q block] = 1 where the block has such a row (the dK/dV kernel visits only those). A block
+        without one returns after reading its lse."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // G
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=0.0)
+        dead = (lse == float("inf")) & (offs_m < S)
+        n_dead = tl.sum(dead.to(tl.int32), 0)
+        tl.store(FLAGS + bh * NQB + pid_m, (n_dead > 0).to(tl.int8))
+        if n_dead > 0:
+            q_mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                        + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+            do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                         + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+            Di = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
+            pd = tl.where(dead, inv_skv, 0.0)
+            dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for start_n in range(0, SKV, BLOCK_N):
+                offs_n = start_n + tl.arange(0, BLOCK_N)
+                kv_mask = (offs_n[:, None] < SKV) & (offs_d[None, :] < HEAD_DIM)
+                k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn
+                            + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+                v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn
+                            + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+                dp = _dot(do, tl.trans(v), DOT_FP32)
+                ds = pd[:, None] * (dp - Di[:, None])
+                if SOFTCAP:
+                    t = _tanh(_dot(q, tl.trans(k), DOT_FP32) * sc_mul)
+                    ds = ds * (1.0 - t * t)
+                ds = tl.where(offs_n[None, :] < SKV, ds, 0.0)
+                dq += _dot(ds.to(k.dtype), k, DOT_FP32)
+            ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
+            st = dead[:, None] & q_mask
+            old = tl.load(ptrs, mask=st, other=0.0).to(tl.float32)
+            tl.store(ptrs, (old + dq * scaling).to(DQ.dtype.element_ty), mask=st)
+
+    @triton.jit
+    def _attn_bwd_dead_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS,
+                            stride_qb, stride_qh, stride_qm, stride_qd,
+                            stride_kb, stride_kh, stride_kn, stride_kd,
+                            stride_vb, stride_vh, stride_vn, stride_vd,
+                            stride_dob, stride_doh, stride_dom, stride_dod,
+                            stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                            stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                            H, HKV, G, S, SKV, NQB, sc_mul, scaling, inv_skv,
+                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr):
+        """dk, dv += the fully masked rows' share for keys [start_n, start_n + BLOCK_N), over the q blocks
+        FLAGS marks (all query heads of this kv head)."""
+        pid_n = tl.program_id(0)
+        bhk = tl.program_id(1)
+        b = bhk // HKV
+        hk = bhk % HKV
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = (offs_n[:, None] < SKV) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + b * stride_vb + hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        any_ = 0
+        for g in range(G):
+            h = hk * G + g
+            bh = b * H + h
+            for qb in range(NQB):
+                if tl.load(FLAGS + bh * NQB + qb) != 0:
+                    any_ = 1
+                    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+                    q_mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
+                    lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=0.0)
+                    dead = (lse == float("inf")) & (offs_m < S)
+                    pd = tl.where(dead, inv_skv, 0.0)
+                    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+                                + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+                    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+                                 + offs_d[None, :] * stride_dod, mask=q_mask, other=0.0)
+                    Di = tl.load(DELTA + bh * S + offs_m, mask=offs_m < S, other=0.0)
+                    pT = tl.where(offs_n[:, None] < SKV, pd[None, :], 0.0)  # [BLOCK_N, BLOCK_M]
+                    dv += _dot(pT.to(do.dtype), do, DOT_FP32)
+                    dpT = _dot(v, tl.trans(do), DOT_FP32)
+                    dsT = pT * (dpT - Di[None, :])
+                    if SOFTCAP:
+                        t = _tanh(_dot(k, tl.trans(q), DOT_FP32) * sc_mul)
+                        dsT = dsT * (1.0 - t * t)
+                    dk += _dot(dsT.to(q.dtype), q, DOT_FP32)
+        if any_ != 0:
+            kp = DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+            vp = DV + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+            old_k = tl.load(kp, mask=kv_mask, other=0.0).to(tl.float32)
+            tl.store(kp, (old_k + dk * scaling).to(DK.dtype.element_ty), mask=kv_mask)
+            old_v = tl.load(vp, mask=kv_mask, other=0.0).to(tl.float32)
+            tl.store(vp, (old_v + dv).to(DV.dtype.element_ty), mask=kv_mask)
+
+
 # ================================================================================================ launchers
 def _mask_args(mask, B, Hq, S, Skv, like):
     """(tensor to pass, 4 strides, MASK_KIND). Broadcast dims get stride 0; bool is read as uint8."""
@@ -886,7 +1089,8 @@ def _scalars(scaling, softcap):
     return 1.0, scaling * LOG2E
 
 
-def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None):
+def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
+                         masked_rows=MASKED_ROWS_ZERO):
     """Launch ``_attn_fwd``. Returns (out contiguous [B, Hq, S, Dh], lse [B, Hq, S] fp32)."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -898,24 +1102,48 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     sc_mul, out_mul = _scalars(scaling, softcap)
 
     ranges = _use_mask_ranges(kind, causal, window)
+    vmean = _value_mean(v, Hq // Hkv).contiguous() if masked_rows == MASKED_ROWS_UNIFORM else lse
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_fwd[_grid(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, rng, out, lse, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *out.stride(),
+            q, k, v, mt, rng, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *out.stride(),
             Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
             HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=_softcap_mode(softcap, q.dtype),
             MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
             DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges, BLOCK_MAJOR=BLOCK_MAJOR_GRID,
-            num_warps=nw, num_stages=ns)
+            MASKED_ROWS=int(masked_rows), num_warps=nw, num_stages=ns)
 
     _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges), launch)
     return out, lse
 
 
-def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, config=None):
+def _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap, BLOCK_D, dot32):
+    """MASKED_ROWS_UNIFORM: add the fully masked rows' gradients (two launches; near-free without such rows)."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    if interpreting():
+        BM = BN = 16
+    else:
+        BM = BN = 32 if BLOCK_D > 128 else 64
+    NQB = triton.cdiv(S, BM)
+    flags = torch.empty(B * Hq * NQB, dtype=torch.int8, device=q.device)
+    sc_mul = (scaling / softcap) if softcap else 1.0
+    common = dict(HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=bool(softcap), DOT_FP32=dot32,
+                  num_warps=4, num_stages=1)
+    _attn_bwd_dead_dq[(NQB, B * Hq)](q, k, v, do, lse, delta, dq, flags, *q.stride(), *k.stride(), *v.stride(),
+                                     *do.stride(), *dq.stride(), Hq, G, S, Skv, NQB, sc_mul, float(scaling),
+                                     1.0 / Skv, **common)
+    _attn_bwd_dead_dkdv[(triton.cdiv(Skv, BN), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, flags, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+        *dv.stride(), Hq, Hkv, G, S, Skv, NQB, sc_mul, float(scaling), 1.0 / Skv, **common)
+
+
+def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, config=None,
+                         masked_rows=MASKED_ROWS_ZERO):
     """Launch the three backward kernels. Returns contiguous (dq, dk, dv) in the inputs' dtypes."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -963,4 +1191,6 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
 
     _launch("dkdv", _attn_bwd_dkdv, None, _config("dkdv", BLOCK_D, q.dtype, config), key, launch_dkdv)
     _launch("dq", _attn_bwd_dq, None, _config("dq", BLOCK_D, q.dtype, config), key, launch_dq)
-    return dq, dk, dv
+    if masked_rows == MASKED_ROWS_UNIFORM:
+        _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap, BLOCK_D, dot32)
+    return _nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows)

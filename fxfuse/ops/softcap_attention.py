@@ -5,7 +5,7 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
 
     node = graph.call_function(
         torch.ops.fxfuse.softcap_attention.default,
-        (q, k, v, mask, scaling, softcap, causal, window))
+        (q, k, v, mask, scaling, softcap, causal, window, masked_rows))
     out = graph.call_function(operator.getitem, (node, 0))
 
     q     Tensor [B, Hq, S, Dh]        bf16 / fp16 / fp32, any strides (HF's transpose(1, 2) views are fine)
@@ -18,13 +18,16 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
     softcap float                      0.0 = no softcap (Gemma-2: attn_logit_softcapping, e.g. 50.0)
     causal  bool                       index-computed causal mask, bottom-right aligned when Skv != S
     window  int                        0 = none; else also keep only qi + (Skv - S) - ki < window (needs causal)
+    masked_rows int                    what a fully masked query row gives: 0 zeros (SDPA with a bool mask),
+                                       1 eager's uniform average over all keys (a finite fill such as HF's
+                                       finfo.min), 2 NaN (a -inf fill); see fxfuse.kernels.softcap_attention
     ->  out  [B, Hq, S, Dh] contiguous, q.dtype;   lse [B, Hq, S] fp32 (for the backward; +inf on dead rows)
 
 Either give the causal / window structure as scalars (blocks outside it are skipped) or through ``mask`` (on
 CUDA its tiles are classified empty / full / partial first, so empty blocks are skipped and the mask is read
 only on partial ones: a causal mask tensor costs ~10% more than causal=True), or both (e.g. causal=True plus a
 padding mask; the mask is then read in every block the index mask keeps).
-Rows whose every key is masked output zeros and get zero gradients. Dropout is not supported (a pass must not
+Rows whose every key is masked follow ``masked_rows``, forward and backward. Dropout is not supported (a pass must not
 rewrite attention with dropout p > 0 in training). The mask gets no gradient (the public function refuses a
 mask that requires grad). The backward is ``fxfuse::softcap_attention_backward`` (same scalars, plus dout,
 out, lse) -> (dq, dk, dv), contiguous, in the inputs' dtypes.
@@ -56,7 +59,7 @@ MAX_HEAD_DIM = 256
 
 
 # ================================================================================================= contract
-def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window) -> None:
+def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0) -> None:
     """The op's contract; raises :class:`~fxfuse.errors.FxFuseContractError`. Symbolic sizes: only a provable
     mismatch raises (the real impl re-checks with concrete sizes)."""
     c = OpContract(OP_NAME, q=q, k=k, v=v, mask=mask)
@@ -85,6 +88,8 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window) -> 
         c.fail(f"window must be an int >= 0 (0 = none), got {window!r}")
     if window and not causal:
         c.fail("a sliding window is only supported together with causal=True")
+    if masked_rows not in (_k.MASKED_ROWS_ZERO, _k.MASKED_ROWS_UNIFORM, _k.MASKED_ROWS_NAN):
+        c.fail(f"masked_rows must be 0 (zeros), 1 (uniform) or 2 (NaN), got {masked_rows!r}")
     if mask is not None:
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             c.fail(f"mask must be bool (True = keep) or an additive float mask, got {mask.dtype}")
@@ -112,16 +117,16 @@ def _use_triton(t: Tensor) -> bool:
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def _softcap_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scaling: float,
-                          softcap: float, causal: bool, window: int) -> Tuple[Tensor, Tensor]:
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+                          softcap: float, causal: bool, window: int, masked_rows: int = 0) -> Tuple[Tensor, Tensor]:
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows)
     if _use_triton(q):
-        return _k.attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window)
-    return _k.attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window)
+        return _k.attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows)
+    return _k.attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows)
 
 
 @_softcap_attention_op.register_fake
-def _(q, k, v, mask, scaling, softcap, causal, window):
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+def _(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0):
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows)
     B, Hq, S, Dh = q.shape
     out = q.new_empty((B, Hq, S, Dh))  # contiguous, like the real impls
     lse = q.new_empty((B, Hq, S), dtype=torch.float32)
@@ -131,22 +136,24 @@ def _(q, k, v, mask, scaling, softcap, causal, window):
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
 def _softcap_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                                    out: Tensor, lse: Tensor, scaling: float, softcap: float, causal: bool,
-                                   window: int) -> Tuple[Tensor, Tensor, Tensor]:
+                                   window: int, masked_rows: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     if _use_triton(q):
-        return _k.attention_bwd_triton(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window)
-    return _k.attention_bwd_torch(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window)
+        return _k.attention_bwd_triton(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window,
+                                       masked_rows=masked_rows)
+    return _k.attention_bwd_torch(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window,
+                                  masked_rows=masked_rows)
 
 
 @_softcap_attention_backward_op.register_fake
-def _(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window):
+def _(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scaling, softcap, causal, window = inputs
+    q, k, v, mask, scaling, softcap, causal, window, masked_rows = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, mask, out, lse)
-    ctx.args = (scaling, softcap, causal, window)
+    ctx.args = (scaling, softcap, causal, window, masked_rows)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros [B, H, S] grad for the auxiliary lse (out's is always defined)
 
@@ -155,7 +162,7 @@ def _backward(ctx, dout, dlse):
     # lse is an auxiliary output (non-differentiable); its gradient, if any, is ignored.
     q, k, v, mask, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fxfuse.softcap_attention_backward(dout, q, k, v, mask, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _softcap_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -170,18 +177,25 @@ register_autocast_casts("softcap_attention", ("q", "k", "v"))
 # ============================================================================================ public function
 def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None,
                       scaling: Optional[float] = None, softcap: Optional[float] = None, causal: bool = False,
-                      window: Optional[int] = None) -> Tensor:
+                      window: Optional[int] = None, masked_rows: str = "zero") -> Tensor:
     """Gemma-2 eager attention without materialising scores: ``softmax(cap*tanh(q k^T * scaling / cap) +
     mask) @ v`` with GQA, causal / sliding window and a mask tensor. See the module docstring.
 
     ``scaling`` defaults to ``head_dim ** -0.5``; ``softcap`` None/0 = none; ``window`` None/0 = none.
+    ``masked_rows``: what a query row whose every key is masked gives: ``"zero"`` (as SDPA with a bool mask),
+    ``"uniform"`` (as eager attention with a finite fill such as HF's ``finfo.min`` masks: the mean of v, with
+    eager's gradients) or ``"nan"`` (as eager attention with a -inf fill).
     """
     scaling = float(q.shape[-1]) ** -0.5 if scaling is None else float(scaling)
     softcap = float(softcap or 0.0)
     window = int(window or 0)
     causal = bool(causal)
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+    modes = {"zero": _k.MASKED_ROWS_ZERO, "uniform": _k.MASKED_ROWS_UNIFORM, "nan": _k.MASKED_ROWS_NAN}
+    if masked_rows not in modes:
+        OpContract(OP_NAME, q=q).fail(f"masked_rows must be one of {tuple(modes)}, got {masked_rows!r}")
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, modes[masked_rows])
     if mask is not None and mask.requires_grad:
         OpContract(OP_NAME, mask=mask).fail("mask must not require grad (the op gives it no gradient)")
-    out, _ = torch.ops.fxfuse.softcap_attention(q, k, v, mask, scaling, softcap, causal, window)
+    out, _ = torch.ops.fxfuse.softcap_attention(q, k, v, mask, scaling, softcap, causal, window,
+                                                modes[masked_rows])
     return out
