@@ -64,12 +64,23 @@ def tiny_causal_lm(arch: str = "llama", **overrides):
         cfg = tf.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
                               final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
         cls = tf.Gemma2ForCausalLM
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=8)
+        cls = tf.Qwen3ForCausalLM
+    elif arch == "phi3":
+        cfg = tf.Phi3Config(**{**common, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+        cls = tf.Phi3ForCausalLM
+    elif arch == "gemma3":
+        cfg = tf.Gemma3TextConfig(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
+                                  layer_types=["sliding_attention", "full_attention"])
+        cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
+    attn = overrides.pop("attn_implementation", "eager")
     for k, v in overrides.items():
         setattr(cfg, k, v)
     if hasattr(cfg, "_attn_implementation"):
-        cfg._attn_implementation = "eager"
+        cfg._attn_implementation = attn
     return cls(cfg)
 
 

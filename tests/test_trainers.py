@@ -56,3 +56,75 @@ def test_trl_sft_trainer_with_peft_config(tmp_path):
     reps = assert_losses_unchanged(make, n_steps=3, rel=1e-4, abs=1e-5)
     lora_sites = [s for r in reps for s in r.fused if s.pass_name == "lora_linear"]
     assert len(lora_sites) >= 14, [str(r) for r in reps]  # 7 projections x 2 layers
+
+
+def test_hf_trainer_padded_batches_of_new_lengths_compile_like_dynamo(tmp_path):
+    """DataCollatorWithPadding pads each batch to its longest example: a new length almost every step. fxfuse
+    compiles no more graphs than the same compile without its passes, and the losses do not change."""
+    import torch
+    import torch._dynamo.testing
+    from datasets import Dataset
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    import fxfuse
+    from fxfuse.backend import fxfuse as fx_backend
+
+    tok = make_tokenizer()
+    texts = [" ".join(f"w{(i * 7 + j) % 100}" for j in range(4 + 3 * i)) for i in range(16)]  # 16 lengths
+
+    def tokenize(b):
+        enc = tok(b["text"])
+        enc["labels"] = [list(x) for x in enc["input_ids"]]
+        return enc
+
+    ds = Dataset.from_dict({"text": texts}).map(tokenize, batched=True, remove_columns=["text"])
+
+    class PadLabels(DataCollatorWithPadding):
+        def __call__(self, feats):
+            labels = [f.pop("labels") for f in feats]
+            out = super().__call__(feats)
+            n = out["input_ids"].shape[1]
+            out["labels"] = torch.tensor([l + [-100] * (n - len(l)) for l in labels])
+            return out
+
+    def run(backend):
+        model = tiny_causal_lm("llama", attn_implementation="sdpa")
+        args = TrainingArguments(output_dir=str(tmp_path / "pad"), per_device_train_batch_size=2, max_steps=8,
+                                 learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
+                                 use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=ds, data_collator=PadLabels(tok))
+        cnt = None
+        if backend is not None:
+            cnt = torch._dynamo.testing.CompileCounterWithBackend(backend)
+            trainer.model.compile(backend=cnt)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], cnt.frame_count if cnt else 0
+
+    import pytest
+
+    ref, _ = run(None)
+    torch._dynamo.reset()
+    _, base = run("aot_eager")
+    torch._dynamo.reset()
+    fxfuse.clear_reports()
+    got, n = run(lambda gm, ex: fx_backend(gm, ex, options={"compiler": "aot_eager"}))
+    assert n == base, (n, base)
+    assert got == pytest.approx(ref, rel=1e-4, abs=1e-5), (got, ref)
+    assert {"sdpa_attention", "linear_cross_entropy"} <= {r.pass_name for r in fxfuse.report().fused}
+
+
+def test_trl_sft_padding_free(tmp_path):
+    """TRL's padding-free SFT packs a batch into one row (position ids restart per example, no attention mask):
+    the losses with fxfuse equal the uncompiled run's, and the packed attention is fused."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    def make():
+        cfg = SFTConfig(output_dir=str(tmp_path / "sft_pf"), max_length=64, padding_free=True, packing=True,
+                        packing_strategy="bfd", **ARGS)
+        return SFTTrainer(model=tiny_causal_lm("llama", attn_implementation="sdpa"), args=cfg,
+                          train_dataset=Dataset.from_dict({"text": make_texts(seed=3)}),
+                          processing_class=make_tokenizer())
+
+    reps = assert_losses_unchanged(make, n_steps=3, rel=1e-4, abs=1e-5)
+    assert any(s.pass_name == "sdpa_attention" for r in reps for s in r.fused), [str(r) for r in reps]

@@ -990,8 +990,9 @@ if HAVE_TRITON:
             h = hk * G + g
             bh = b * H + h
             for qb in range(NQB):
-                if tl.load(FLAGS + bh * NQB + qb) != 0:
-                    any_ = 1
+                fl = tl.load(FLAGS + bh * NQB + qb).to(tl.int32)
+                any_ = tl.maximum(any_, fl)
+                if fl != 0:
                     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
                     q_mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
                     lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=0.0)

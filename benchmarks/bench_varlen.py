@@ -1,0 +1,316 @@
+"""Variable-length and packed batches on the GPU: correctness checks, the attention op on packed masks, and whole
+training steps with a new length every step (default torch.compile, no ``dynamic=``), fxfuse beside Inductor.
+
+Sections (argv; default all): check attn e2e long
+  check  the attention kernels on the GPU against float64: fully masked rows in every ``masked_rows`` mode, packed
+         masks, and what CUDA SDPA itself gives a fully masked row with a bool mask (the "zero" mode mirrors it)
+  attn   fwd+bwd of one attention layer over one 8192-token row packed with documents of 128..4096 tokens:
+         fxfuse's op with the packed mask, SDPA with the same mask, SDPA is_causal over the whole row (the cost
+         without packing), fxfuse causal; Llama-3.2-1B / Llama-3-8B / Gemma-2-2B attention shapes
+  e2e    Llama-3.2-1B shape full fine-tune (bf16, AdamW), 24 steps of 8 documents whose lengths are log-normal
+         (median 300, sigma 1.0, clipped to [16, 4096]; the same lengths for every implementation), padded
+         ([8, longest] + attention mask, pads -100) and packed (one row, position ids restarting per document,
+         -100 at document starts): graphs compiled, compile seconds, real (non-pad) tokens/s over the steps that
+         compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default)
+  long   Llama-3-8B-shaped layers (LONG_LAYERS, default 4) with PEFT LoRA r16 on all projections and HF gradient
+         checkpointing, batch 1 at 16384 then 32768 tokens (the recompile with a symbolic length): both train
+
+Run (device machine): PYTHONPATH=. python3 benchmarks/bench_varlen.py check attn e2e
+Writes $OUT/varlen.jsonl. On a machine without a GPU it runs a tiny smoke version.
+"""
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import DEV, SMOKE, bench, jsonl_emitter, rel  # noqa: E402
+
+import fxfuse  # noqa: E402
+from fxfuse.kernels import softcap_attention as K  # noqa: E402
+from fxfuse.ops.softcap_attention import softcap_attention  # noqa: E402
+
+emit = jsonl_emitter("varlen.jsonl")
+
+
+def doc_lengths(n, seed, median=300, sigma=1.0, lo=16, hi=4096):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(math.log(median) + sigma * torch.randn(n, generator=g))
+    return [int(v) for v in x.clamp(lo, hi).round()]
+
+
+def packed_mask(lengths, device):
+    S = sum(lengths)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    i = torch.arange(S, device=device)
+    return ((doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None]))[None, None]
+
+
+# ------------------------------------------------------------------------------------------------- check
+def sec_check():
+    torch.manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        for D, cap in ((64, 0.0), (128, 0.0), (256, 50.0)):
+            B, Hq, Hkv, S, pad = 2, 8, 4, 1000, 300
+            q = torch.randn(B, Hq, S, D, device=DEV, dtype=dt, requires_grad=True)
+            k = torch.randn(B, Hkv, S, D, device=DEV, dtype=dt, requires_grad=True)
+            v = torch.randn(B, Hkv, S, D, device=DEV, dtype=dt, requires_grad=True)
+            do = torch.randn_like(q)
+            keep = torch.ones(S, S, device=DEV).tril().bool()[None].repeat(B, 1, 1)
+            keep[1, :, :pad] = False  # left padding: 300 fully masked query rows in batch 1
+            for mode, name in ((0, "zero"), (1, "uniform")):
+                mask = keep[:, None] if mode == 0 else torch.zeros(B, 1, S, S, device=DEV, dtype=dt).masked_fill(
+                    ~keep[:, None], torch.finfo(dt).min)
+                out = softcap_attention(q, k, v, mask=mask, softcap=cap, masked_rows=name)
+                g = torch.autograd.grad(out, (q, k, v), do)
+                qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+                ref = K.attention_reference(qd, kd, vd, mask, D ** -0.5, cap, False, 0, masked_rows=mode)
+                gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+                emit(section="check", what=f"left-padded masked_rows={name}", dtype=str(dt), D=D, softcap=cap,
+                     out=rel(out, ref), dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
+    # what CUDA SDPA gives a fully masked row with a bool mask
+    q = torch.randn(1, 4, 64, 64, device=DEV, dtype=torch.bfloat16)
+    keep = torch.ones(64, 64, device=DEV).tril().bool()
+    keep[:, :10] = False
+    o = F.scaled_dot_product_attention(q, q, q, attn_mask=keep[None, None])
+    emit(section="check", what="CUDA SDPA, bool mask, fully masked rows", rows_zero=bool((o[:, :, :10] == 0).all()),
+         rows_nan=bool(torch.isnan(o[:, :, :10]).any()), max_abs=float(o[:, :, :10].float().abs().max()))
+    # packed mask: the op vs SDPA with the same mask
+    lens = doc_lengths(20, 1, lo=16, hi=1500)
+    m = packed_mask(lens, DEV)
+    S = m.shape[-1]
+    q = torch.randn(1, 32, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 8, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 8, S, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn_like(q)
+    out = softcap_attention(q, k, v, mask=m)
+    g = torch.autograd.grad(out, (q, k, v), do)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=True)
+    gr = torch.autograd.grad(ref, (q, k, v), do.float())
+    emit(section="check", what="packed mask vs fp32 SDPA", S=S, docs=len(lens), out=rel(out, ref),
+         dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
+
+
+# -------------------------------------------------------------------------------------------------- attn
+def sec_attn():
+    shapes = {"llama3.2-1b": (32, 8, 64, 0.0), "llama3-8b": (32, 8, 128, 0.0), "gemma2-2b": (8, 4, 256, 50.0)}
+    S = 8192 if not SMOKE else 256
+    for name, (H, Hkv, D, cap) in shapes.items():
+        for dist, lens in (("docs 128..4096 (log-normal, median 300)", None), ("one document (causal)", [S])):
+            if lens is None:
+                lens = doc_lengths(200, 7, lo=128, hi=4096)
+                acc, out_l = 0, []
+                for n in lens:  # fill one row of S tokens
+                    n = min(n, S - acc)
+                    if n <= 0:
+                        break
+                    out_l.append(n)
+                    acc += n
+                lens = out_l
+            m = packed_mask(lens, DEV)
+            torch.manual_seed(0)
+            q = torch.randn(1, H, S, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, Hkv, S, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(1, Hkv, S, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            do = torch.randn_like(q)
+            work = sum(n * n for n in lens) / (S * S)
+            impls = {
+                "fxfuse op, mask tensor": lambda: softcap_attention(q, k, v, mask=m, softcap=cap),
+                "fxfuse op, causal=True": lambda: softcap_attention(q, k, v, causal=True, softcap=cap),
+            }
+            if not cap:
+                impls["SDPA, same bool mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                                         enable_gqa=True)
+                impls["SDPA, is_causal over the row"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                                 enable_gqa=True)
+            for impl, fn in impls.items():
+                try:
+                    def step(fn=fn):
+                        q.grad = k.grad = v.grad = None
+                        fn().backward(do)
+                    ms, peak = bench(step)
+                    emit(section="attn", shape=name, docs=dist, n_docs=len(lens), S=S, causal_work_fraction=round(work, 4),
+                         impl=impl, fwd_bwd_ms=round(ms, 3), peak_gib=round(peak, 3))
+                except Exception as e:
+                    emit(section="attn", shape=name, docs=dist, impl=impl, error=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+# --------------------------------------------------------------------------------------------------- e2e
+def _counting(backend_name):
+    """A backend that counts the graphs it compiles and the seconds spent compiling them."""
+    stats = {"graphs": 0, "compile_s": 0.0}
+    if backend_name == "fxfuse":
+        from fxfuse.backend import fxfuse as inner
+    else:
+        from torch._inductor.compile_fx import compile_fx as inner
+
+    def backend(gm, example_inputs):
+        stats["graphs"] += 1
+        t0 = time.perf_counter()
+        try:
+            return inner(gm, example_inputs)
+        finally:
+            stats["compile_s"] += time.perf_counter() - t0
+
+    return backend, stats
+
+
+def _batches(layout, steps, docs, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    for s in range(steps):
+        lens = doc_lengths(docs, seed * 1000 + s)
+        toks = [torch.randint(0, vocab, (n,), generator=g) for n in lens]
+        if layout == "packed":
+            ids = torch.cat(toks)[None]
+            pos = torch.cat([torch.arange(n) for n in lens])[None]
+            labels = ids.clone()
+            starts = torch.cumsum(torch.tensor([0] + lens[:-1]), 0)
+            labels[0, starts] = -100
+            yield sum(lens), dict(input_ids=ids, position_ids=pos, labels=labels)
+        else:
+            L = max(lens)
+            ids = torch.zeros(len(lens), L, dtype=torch.long)
+            am = torch.zeros(len(lens), L, dtype=torch.long)
+            for i, t in enumerate(toks):
+                ids[i, : len(t)] = t
+                am[i, : len(t)] = 1
+            labels = ids.masked_fill(am == 0, -100)
+            yield sum(lens), dict(input_ids=ids, attention_mask=am, labels=labels)
+
+
+def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
+    torch.manual_seed(0)
+    model = model_fn()
+    if lora:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    backend, stats = _counting(impl)
+    fwd = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    fxfuse.clear_reports()
+    times, toks, losses = [], 0, []
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for real, batch in _batches(layout, steps, docs, vocab, seed):
+        batch = {k: v.to(DEV) for k, v in batch.items()}
+        g0 = stats["graphs"]
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fwd(**batch, use_cache=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())  # syncs
+        dt = time.perf_counter() - t0
+        if stats["graphs"] == g0:
+            times.append(dt)
+            toks += real
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else float("nan")
+    fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}) if impl == "fxfuse" else []
+    del model, opt, fwd
+    torch._dynamo.reset()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return dict(graphs=stats["graphs"], compile_s=round(stats["compile_s"], 1), steps_timed=len(times),
+                real_tokens_per_s=round(toks / sum(times)) if times else None, peak_gib=round(peak, 2),
+                loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), fused_passes=fused)
+
+
+def sec_e2e():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if SMOKE:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=500, max_position_embeddings=8192)
+        steps, docs = 4, 3
+    else:
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=32768,
+                          tie_word_embeddings=True)
+        steps, docs = int(os.environ.get("E2E_STEPS", 24)), 8
+    model_fn = lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16,  # noqa: E731
+                                                        attn_implementation="sdpa").to(DEV)
+    impls = os.environ.get("E2E_IMPLS", "fxfuse,inductor").split(",")
+    for layout in os.environ.get("E2E_LAYOUTS", "packed,padded").split(","):
+        for impl in impls:
+            try:
+                r = _train(model_fn, impl, layout, steps, docs, cfg.vocab_size)
+                emit(section="e2e", shape="llama3.2-1b", tune="full", layout=layout, impl=impl, steps=steps,
+                     docs_per_step=docs, **r)
+            except Exception as e:
+                emit(section="e2e", shape="llama3.2-1b", layout=layout, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
+                traceback.print_exc()
+
+
+def sec_long():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    import peft
+
+    n_layers = int(os.environ.get("LONG_LAYERS", 4))
+    if SMOKE:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=500, max_position_embeddings=65536)
+        lengths = (256, 512)
+    else:
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=n_layers, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=65536, rope_theta=500000.0)
+        lengths = (16384, 32768)
+    for impl in os.environ.get("LONG_IMPLS", "fxfuse,inductor").split(","):
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").to(DEV)
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+            backend, stats = _counting(impl)
+            fwd = torch.compile(model, backend=backend)
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+            fxfuse.clear_reports()
+            for S in lengths:
+                ids = torch.randint(0, cfg.vocab_size, (1, S), device=DEV)
+                labels = ids.clone()
+                labels[0, :3] = -100
+                if DEV == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                row = {}
+                for rep in range(2):
+                    if DEV == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    out = fwd(input_ids=ids, labels=labels, use_cache=False)
+                    out.loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    loss = out.loss.item()
+                    row[f"step{rep}_s"] = round(time.perf_counter() - t0, 2)
+                peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else float("nan")
+                emit(section="long", shape=f"llama3-8b x{n_layers} layers", tune="lora r16 + checkpointing", impl=impl,
+                     seq=S, loss=round(loss, 4), graphs=stats["graphs"], tokens_per_s=round(S / row["step1_s"]),
+                     peak_gib=round(peak, 2), **row,
+                     fused_passes=sorted({r.pass_name for rp in fxfuse.reports() for r in rp.fused}) if impl == "fxfuse" else [])
+            del model, opt, fwd
+            torch._dynamo.reset()
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:
+            emit(section="long", impl=impl, error=f"{type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc()
+
+
+if __name__ == "__main__":
+    emit(section="env", gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
+         triton=__import__("triton").__version__, transformers=__import__("transformers").__version__,
+         commit=os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or os.environ.get("COMMIT", "?"))
+    for sec in sys.argv[1:] or ["check", "attn", "e2e", "long"]:
+        try:
+            globals()["sec_" + sec]()
+        except Exception as e:
+            emit(section=sec, error=f"{type(e).__name__}: {str(e)[:300]}")
+            traceback.print_exc()
