@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from . import registry
-from .errors import FxFuseError, FxFusePassError, FxFuseValidationError, node_location
+from .errors import FxFuseError, FxFusePassError, FxFuseValidationError, node_location, raised_through_dynamo
 from .graph_utils import graph_modules, node_val
 from .options import FxFuseOptions
 from .report import FUSED, ROLLED_BACK, SKIPPED, FusionReport, SiteRecord, _publish
@@ -65,6 +65,7 @@ class PassContext:
         self._pending: List[SiteRecord] = []
         self._pending_subs: List[OutputSubstitution] = []
         self.substitutions: List[OutputSubstitution] = []
+        self.verify = None  # verify.Reference when options["verify"]
 
     def substitute_output(self, gm: fx.GraphModule, node: fx.Node, inputs: List[fx.Node],
                           rebuild: Callable[..., Any]) -> int:
@@ -206,6 +207,19 @@ def _check_pass(gm, ctx: PassContext, fake_mode, before: NodeState, baselines) -
     return None, None
 
 
+def _verify_pass(gm, ctx: PassContext, name: str) -> Optional[str]:
+    """``verify``: compare the rewritten graph's outputs and gradients with the unfused graph's."""
+    from .verify import compare, run_graph, substitution_fixer
+
+    try:
+        got = run_graph(gm, ctx.verify, substitution_fixer(ctx.substitutions + ctx._pending_subs))
+    except Exception as e:
+        return f"verify: the rewritten graph failed to run eagerly ({type(e).__name__}: {e})"
+    problem, worst = compare(ctx.verify.result, got, ctx.verify)
+    ctx.report.verified[name] = round(worst, 4)
+    return f"verify: {problem}" if problem else None
+
+
 def _run_pass(gm, spec, ctx: PassContext, fake_mode, baselines) -> int:
     """Run one pass with snapshot, validation and rollback. Returns the sites it changed (0 if rolled back).
 
@@ -222,6 +236,7 @@ def _run_pass(gm, spec, ctx: PassContext, fake_mode, baselines) -> int:
     raised = False
     loc = None
     changed = 0
+    graph_changed = False
     t0 = time.perf_counter()
     with GuardWatch(fake_mode) as watch:
         try:
@@ -230,8 +245,14 @@ def _run_pass(gm, spec, ctx: PassContext, fake_mode, baselines) -> int:
                 raise TypeError(f"pass {spec.name!r} returned {changed!r}; a pass must return the number of sites "
                                 f"it changed (an int)")
             problem = None
-            if before.changed(gm) or changed or ctx._pending_subs:
+            graph_changed = before.changed(gm)
+            if graph_changed or changed or ctx._pending_subs:
                 problem, culprit = _check_pass(gm, ctx, fake_mode, before, baselines)
+                if problem is None and getattr(ctx, "verify", None) is not None:
+                    problem = _verify_pass(gm, ctx, spec.name)
+                    if problem is not None:  # point at the first node the pass created or changed
+                        culprit = next((n for _, m in graph_modules(gm) for n in m.graph.nodes
+                                        if n.op != "output" and before.dirty(m, n)), None)
         except Exception as e:
             changed, raised = 0, True
             problem = f"the pass raised {type(e).__name__}: {e}"
@@ -243,9 +264,10 @@ def _run_pass(gm, spec, ctx: PassContext, fake_mode, baselines) -> int:
         problem = ("the rewrite specialised a symbolic size, which would recompile the model for every new "
                    f"length: {watch.describe()}")
     if problem is None:
-        if changed and not spec.builtin and not ctx._pending:
-            ctx._pending.append(SiteRecord(spec.name, FUSED, f"{changed} site(s) rewritten by a user pass",
-                                           "", "", None, {"sites": int(changed)}))
+        if (changed or graph_changed) and not spec.builtin and not ctx._pending:
+            what = (f"{changed} site(s) rewritten by a user pass" if changed else
+                    "the graph was changed by a user pass that returned 0")
+            ctx._pending.append(SiteRecord(spec.name, FUSED, what, "", "", None, {"sites": int(changed)}))
         ctx.report.records.extend(ctx._pending)
         ctx.substitutions.extend(ctx._pending_subs)
         if changed:
@@ -258,7 +280,7 @@ def _run_pass(gm, spec, ctx: PassContext, fake_mode, baselines) -> int:
     msg = f"fxfuse pass '{spec.name}' was rolled back: {problem}\n  at: {loc}"
     if ctx.options.strict:
         exc = FxFusePassError if raised else FxFuseValidationError
-        raise exc(msg + "\n  (strict=True: raising instead of falling back to the unfused graph)")
+        raise raised_through_dynamo(exc(msg + "\n  (strict=True: raising instead of falling back to the unfused graph)"))
     log.warning("%s", msg)
     return 0
 
@@ -333,6 +355,10 @@ def _run_passes(gm, example_inputs, specs, opts: FxFuseOptions, rep: FusionRepor
     from .validation import values_fake_mode
 
     fake_mode = values_fake_mode(gm) or fake_mode  # new nodes run in the mode of the values Dynamo recorded
+    if fake_mode is None:  # a graph handed over outside Dynamo (tests, tools): static fake values
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
     pristine = GraphSnapshot(gm)
     t0 = time.perf_counter()
     try:
@@ -344,12 +370,13 @@ def _run_passes(gm, example_inputs, specs, opts: FxFuseOptions, rep: FusionRepor
                            f"{watch.describe()}; no pass ran")
         ctx = PassContext(rep, opts, fake_mode, root=gm)
         baselines = _signatures(gm)
+        ctx.verify = _verify_reference(gm, example_inputs, rep) if opts.verify else None
         for spec in specs:
             _run_pass(gm, spec, ctx, fake_mode, baselines)
         return ctx.substitutions
     except FxFuseError as e:
         if opts.strict and not isinstance(e, _Unsound):
-            raise
+            raise raised_through_dynamo(e) from None
         problem, loc = str(e), "<fxfuse>"
     except Exception as e:
         problem = f"fxfuse's own analysis failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
@@ -364,9 +391,27 @@ def _run_passes(gm, example_inputs, specs, opts: FxFuseOptions, rep: FusionRepor
     rep.records.append(SiteRecord("<fxfuse>", ROLLED_BACK, "every pass", problem, loc))
     msg = f"fxfuse left this graph unfused: {problem}\n  at: {loc}"
     if opts.strict:
-        raise FxFuseError(msg + "\n  (strict=True: raising instead of compiling the graph unfused)")
+        raise raised_through_dynamo(FxFuseError(msg + "\n  (strict=True: raising instead of compiling the graph "
+                                                      "unfused)"))
     log.warning("%s", msg)
     return []
+
+
+def _verify_reference(gm, example_inputs, rep: FusionReport):
+    """``verify``: the unfused graph's outputs and gradients on the real first inputs (None if it cannot be
+    verified; the report says why)."""
+    from .verify import Reference, run_graph, why_not_verifiable
+
+    why = why_not_verifiable(gm, example_inputs)
+    if why is None:
+        try:
+            ref = Reference(example_inputs, [n.name for n in gm.graph.nodes if n.op == "placeholder"])
+            ref.result = run_graph(gm, ref, lambda args, outs: outs)
+            return ref
+        except Exception as e:
+            why = f"the unfused graph did not run eagerly on the example inputs ({type(e).__name__}: {e})"
+    rep.records.append(SiteRecord("<verify>", SKIPPED, "numeric verification", why, ""))
+    return None
 
 
 class _Unsound(FxFuseError):
@@ -420,6 +465,56 @@ def _warn_near_recompile_limit(gm: fx.GraphModule, example_inputs, rep: FusionRe
         log.debug("recompile-limit check failed", exc_info=True)
 
 
+_SOURCE_HASH: Optional[str] = None
+
+
+def source_hash() -> str:
+    """fxfuse's version and a hash of every source file of the package and of its passes (computed once)."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        import hashlib
+
+        from . import __version__, passes as _passes_pkg
+
+        h = hashlib.sha256(__version__.encode())
+        roots = [os.path.dirname(os.path.abspath(__file__))] + list(getattr(_passes_pkg, "__path__", []))
+        for root in roots:
+            for dirpath, dirnames, files in sorted(os.walk(root)):
+                dirnames.sort()
+                for f in sorted(files):
+                    if f.endswith(".py"):
+                        path = os.path.join(dirpath, f)
+                        h.update(os.path.relpath(path, root).encode())
+                        with open(path, "rb") as fh:
+                            h.update(fh.read())
+        _SOURCE_HASH = h.hexdigest()
+    return _SOURCE_HASH
+
+
+def _cache_key_pass(existing: Any):
+    """A no-op Inductor post-grad pass whose ``uuid()`` is fxfuse's :func:`source_hash`.
+
+    Inductor's FX-graph cache and AOTAutograd's cache key on the graph, and fxfuse's graphs name ``fxfuse::`` ops,
+    not their code: the composite ops' decompositions, autograd formulas and fake impls are baked into what they
+    cache. Custom passes' ``uuid()`` are part of both keys (the ``CustomGraphPass`` contract), so this one makes an
+    upgrade or a local edit of fxfuse a cache miss. A user's own post-grad pass keeps running first, its uuid
+    combined with ours; a raw callable there already disables caching and is left as it is (None = no change)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if existing is not None and not isinstance(existing, CustomGraphPass):
+        return None
+
+    class FxFuseCacheKey(CustomGraphPass):
+        def __call__(self, graph):
+            if existing is not None:
+                existing(graph)
+
+        def uuid(self):
+            return ("fxfuse", source_hash(), existing.uuid() if existing is not None else None)
+
+    return FxFuseCacheKey()
+
+
 def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str] = None,
            options: Optional[Dict[str, Any]] = None):
     """torch.compile backend: fxfuse's passes, validated, in front of Inductor.
@@ -452,6 +547,10 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     if mode is not None and mode != "default":
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(opts.inductor)
+    key_pass = _cache_key_pass(patches.get("post_grad_custom_post_pass",
+                                           torch._inductor.config.post_grad_custom_post_pass))
+    if key_pass is not None:
+        patches["post_grad_custom_post_pass"] = key_pass
     if debug_dir:
         _dump(debug_dir, f"{tag}.1_after_fxfuse.py", gm)
         with open(os.path.join(debug_dir, f"{tag}.report.txt"), "w") as f:

@@ -20,6 +20,7 @@ __all__ = [
     "PassRegistrationError",
     "user_source_line",
     "node_location",
+    "raised_through_dynamo",
 ]
 
 
@@ -41,6 +42,35 @@ class FxFuseValidationError(FxFuseError):
 
 class PassRegistrationError(FxFuseError, ImportError):
     """The pass registry is incomplete or inconsistent (raised at import, never at first use)."""
+
+
+_PASSTHROUGH = {}
+
+
+def raised_through_dynamo(exc: FxFuseError) -> FxFuseError:
+    """``exc`` re-typed so that Dynamo lets it reach the user as it is.
+
+    Dynamo wraps what a backend raises in ``BackendCompilerFailed``, so ``except fxfuse.FxFuseError`` around a
+    compiled model's first call would not catch fxfuse's ``strict=True`` errors. Exceptions that are also Dynamo's
+    ``ShortenTraceback`` are re-raised unwrapped (with Dynamo's own frames dropped from the traceback); the returned
+    exception is an instance of a subclass of both ``type(exc)`` and that class, with the same message.
+    """
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:  # a torch without it: the error arrives wrapped, as ``BackendCompilerFailed.inner_exception``
+        return exc
+    cls = type(exc)
+    if isinstance(exc, ShortenTraceback):
+        return exc
+    sub = _PASSTHROUGH.get(cls)
+    if sub is None:
+        def __init__(self, *args):
+            ShortenTraceback.__init__(self, *args, first_useful_frame=None)
+
+        sub = type(cls.__name__, (cls, ShortenTraceback), {"__init__": __init__, "__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+        _PASSTHROUGH[cls] = sub
+    return sub(*exc.args)
 
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))

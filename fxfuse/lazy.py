@@ -6,6 +6,8 @@ fused op saves them anyway) and fxfuse hands the caller a :class:`LazyLogits` of
 device. Metadata (``shape``, ``dtype``, ``size()``, ...) is answered without computing; any other use
 (indexing, ``.float()``, ``argmax``, ``backward`` through it, printing) materialises the logits once, through
 ordinary differentiable torch ops, so gradients flow back into the compiled graph through the hidden states.
+Read after the weights changed in place (an optimizer step), they raise instead of returning logits of the new
+weights: the version counters of the hidden states, weight and bias are recorded at the forward.
 
 Turn it off with ``pass_options={"linear_cross_entropy": {"logits": "materialize"}}``.
 """
@@ -59,6 +61,7 @@ class LazyLogits(torch.Tensor):
             cls, shape, dtype=dtype, device=hidden.device,
             requires_grad=bool(torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)))
         r._fx_args = (hidden, weight, bias, tuple(recipe), weight_transposed)
+        r._fx_versions = _versions(hidden, weight, bias)
         r._fx_value = None
         return r
 
@@ -66,9 +69,26 @@ class LazyLogits(torch.Tensor):
         super().__init__()
 
     def materialize(self) -> torch.Tensor:
-        """The real logits (computed on first use, then cached)."""
+        """The real logits (computed on first use, then cached).
+
+        Raises :class:`~fxfuse.errors.FxFuseError` when a tensor they are computed from was modified in place since
+        the forward (``optimizer.step()`` updates the lm-head weight): the values would no longer be the ones the
+        forward produced."""
         if self._fx_value is None:
             h, w, b, recipe, wt = self._fx_args
+            if _versions(h, w, b) != self._fx_versions:
+                from .errors import FxFuseError
+
+                what = [n for n, a, c in zip(("hidden states", "lm-head weight", "lm-head bias"), self._fx_versions,
+                                            _versions(h, w, b)) if a != c]
+                raise FxFuseError(
+                    "fxfuse: these logits were returned lazily by a model compiled with fxfuse (the fused lm-head "
+                    f"loss never computed them) and are computed when first read, but the {' and '.join(what)} "
+                    "changed in place since that forward (optimizer.step() or zero_grad on the weights?), so they can "
+                    "no longer be the forward's logits. Read them before the optimizer step (e.g. "
+                    "`logits = out.logits.float()` right after the forward), or compile with "
+                    "options={'pass_options': {'linear_cross_entropy': {'logits': 'materialize'}}} to always "
+                    "return real logits.")
             with torch._C.DisableTorchFunctionSubclass():
                 self._fx_value = apply_recipe(h, w, b, recipe, wt)
         return self._fx_value
@@ -95,6 +115,11 @@ class LazyLogits(torch.Tensor):
         # Reached only by code that skips __torch_function__ (C++ callers): compute the values, no autograd here.
         args, kwargs = tree_map_only(LazyLogits, lambda t: t.materialize().detach(), (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def _versions(*ts) -> Tuple[int, ...]:
+    """In-place modification counters of the tensors the logits are computed from (-1 for None)."""
+    return tuple(t._version if isinstance(t, torch.Tensor) else -1 for t in ts)
 
 
 def is_lazy(t: Any) -> bool:

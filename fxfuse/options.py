@@ -7,6 +7,7 @@ with the settings of ``mode``. An unknown key is an error rather than silently i
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -22,6 +23,9 @@ FXFUSE_KEYS = {
     "pass_options": "dict {pass name: {option: value}} handed to the passes (see each pass's docstring)",
     "compiler": "what lowers the rewritten graph: 'inductor' (default) or 'aot_eager' (AOTAutograd, eager "
                 "kernels: for debugging passes and fast tests)",
+    "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
+              "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
+              "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
 }
 COMPILERS = ("inductor", "aot_eager")
 
@@ -34,6 +38,7 @@ class FxFuseOptions:
     debug_dir: Optional[str] = None
     pass_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     compiler: str = "inductor"
+    verify: bool = False
     inductor: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -59,9 +64,10 @@ class FxFuseOptions:
         compiler = ours.get("compiler", "inductor")
         if compiler not in COMPILERS:
             raise FxFuseError(f"options['compiler'] must be one of {COMPILERS}, got {compiler!r}")
+        verify = ours.get("verify", os.environ.get("FXFUSE_VERIFY", "0") not in ("", "0"))
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=bool(ours.get("strict", False)),
                    debug_dir=ours.get("debug_dir"), pass_options=dict(ours.get("pass_options") or {}),
-                   inductor=options)
+                   verify=bool(verify), inductor=options)
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:

@@ -117,10 +117,13 @@ def user_pass_spec(fn: Callable, index: int) -> PassSpec:
         name = f"extra_passes[{index}]<lambda>"
 
     def run(gm: torch.fx.GraphModule, ctx) -> int:
+        # Whatever it returns, the backend validates the graph if it changed; a return that is not an int is the
+        # pass's error and rolls it back with that reason.
         n = fn(gm)
-        if n is None:
-            raise TypeError(f"extra pass {name} returned None; it must return the number of sites it changed")
-        return int(n)
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"extra pass {name} returned {n!r}; it must return the number of sites it changed "
+                            f"(an int)")
+        return n
 
     return PassSpec(name, run, 10_000 + index, getattr(fn, "__doc__", "") or "user pass",
                     getattr(fn, "__module__", "?"), True, builtin=False)

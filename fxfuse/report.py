@@ -56,6 +56,9 @@ class FusionReport:
     pass_ms: Dict[str, float] = field(default_factory=dict)
     passes_run: List[str] = field(default_factory=list)
     num_nodes: int = 0
+    #: ``verify``: per pass, its worst output / gradient difference from the unfused graph, as a fraction of the
+    #: tolerance (rolled-back passes are in ``rolled_back``)
+    verified: Dict[str, float] = field(default_factory=dict)
 
     # -- views tests and tools use -------------------------------------------------------------------------
     @property
@@ -81,6 +84,7 @@ class FusionReport:
     def to_dict(self) -> dict:
         return dict(graph_name=self.graph_name, records=[r.to_dict() for r in self.records],
                     pass_ms=dict(self.pass_ms), passes_run=list(self.passes_run), num_nodes=self.num_nodes,
+                    verified=dict(self.verified),
                     saved_bytes=self.saved_bytes)
 
     def summary(self) -> str:
@@ -92,6 +96,9 @@ class FusionReport:
         lines = [self.summary()]
         if not self.records:
             lines.append("  (no site matched any enabled pass: the graph went to Inductor unchanged)")
+        if self.verified:
+            lines.append("  verified against the unfused graph (worst difference / tolerance): " +
+                         ", ".join(f"{k} {v:.2g}" for k, v in self.verified.items()))
         for r in self.records:
             saved = f", saves ~{_fmt_bytes(r.saved_bytes)}" if r.saved_bytes else ""
             lines.append(f"  [{r.status}] {r.pass_name}: {r.op}{saved}")
@@ -108,9 +115,12 @@ _REPORTS: Deque[FusionReport] = collections.deque(maxlen=256)
 
 
 def _publish(rep: FusionReport) -> None:
-    # Dynamo may restart its analysis and hand the same compile id to the backend again: keep the latest.
-    if _REPORTS and _REPORTS[-1].graph_name == rep.graph_name and rep.graph_name != "graph":
-        _REPORTS.pop()
+    # Several backend calls can share a compile id (DDP's graph splitting hands each bucket's submodule over
+    # separately; after torch._dynamo.reset() ids start again at 0/0): every call keeps its own report, named
+    # apart.
+    same = sum(1 for r in _REPORTS if r.graph_name.split(" #")[0] == rep.graph_name)
+    if same:
+        rep.graph_name = f"{rep.graph_name} #{same + 1}"
     _REPORTS.append(rep)
     log.info("%s", rep.summary())
     for r in rep.rolled_back:

@@ -110,7 +110,7 @@ def test_dynamic_sequence_lengths_do_not_recompile():
     ids = torch.randint(0, 128, (2, 23))
     _llama_step(model, ids, compiled)
     assert len(calls) == n_after_first, f"recompiled for a new sequence length: {calls}"
-    assert len({r.graph_name for r in fxfuse.reports()}) == 1
+    assert len({r.graph_name.split(" #")[0] for r in fxfuse.reports()}) == 1
 
 
 def test_mode_and_inductor_options_forwarded(monkeypatch):
