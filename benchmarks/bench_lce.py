@@ -146,7 +146,7 @@ def sec_lce(names, quick=False):
         # the row kernel alone on one default chunk
         C = K.rows_per_chunk(V, 2, K.DEFAULT_CHUNK_BYTES, N)
         buf = (torch.randn(C, V, device=DEV) * 2).to(torch.bfloat16)
-        lrow = torch.empty(C, device=DEV); lse = torch.empty(C, device=DEV)
+        lrow = torch.empty(C, device=DEV); lse = torch.empty(2, C, device=DEV)  # row max, log S
         g1 = torch.ones((), device=DEV)
         rows = K._rows_triton if K._use_triton(buf) else K._rows_torch
         ms, _ = bench(lambda: rows(buf, y[:C], g1, lrow, lse, None, -100, 1.0, cap or 0.0, 0.0, True))
@@ -225,7 +225,7 @@ def sec_tune(names):
         C = K.rows_per_chunk(V, 2, K.DEFAULT_CHUNK_BYTES, N)
         buf0 = (torch.randn(C, V, device=DEV) * 2).to(torch.bfloat16)
         buf = buf0.clone()
-        lrow = torch.empty(C, device=DEV); lse = torch.empty(C, device=DEV); g1 = torch.ones((), device=DEV)
+        lrow = torch.empty(C, device=DEV); lse = torch.empty(2, C, device=DEV); g1 = torch.ones((), device=DEV)
         # Launch settings around the defaults (BLOCK_V 4096, 16 warps, per-lane max, fast tanh). (A grid of fewer
         # programs than rows, rows strided over them so that pass 2 might hit L2, measured no faster: run 4.)
         configs = [dict(), dict(num_warps=8), dict(BLOCK_V=2048, num_warps=8), dict(BLOCK_V=8192)]
@@ -235,7 +235,7 @@ def sec_tune(names):
             try:
                 ms = t(lambda: K._rows_triton(buf, y[:C], g1, lrow, lse, None, -100, 1.0, cap or 0.0, 0.0, True))
                 emit(section="tune_rows", shape=name, C=C, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"],
-                     lane=cfg["LANE_ONLINE"], fast_tanh=cfg["FAST_TANH"],
+                     fast_tanh=cfg["FAST_TANH"],
                      ms=round(ms, 4), per_step_ms=round(ms * N / C, 3), gb_s=round(3 * C * V * 2 / ms / 1e6, 1))
             except Exception as e:
                 emit(section="tune_rows", shape=name, config=str(cfg), error=repr(e)[:200])
@@ -258,8 +258,8 @@ if __name__ == "__main__":
         tr = sorted((r for r in ROWS if r.get("section") == "tune_rows" and r.get("shape") == shp and "ms" in r),
                     key=lambda r: r["ms"])
         for r in tr[:4]:
-            print("best rows", shp, {k: r[k] for k in ("BLOCK_V", "num_warps", "lane", "fast_tanh", "ms", "per_step_ms", "gb_s")})
-    keys = ["C", "logits_ms", "gh_ms", "gw_mm_ms", "gw_addmm_ms", "sum_ms", "BLOCK_V", "num_warps", "lane", "fast_tanh",
+            print("best rows", shp, {k: r[k] for k in ("BLOCK_V", "num_warps", "fast_tanh", "ms", "per_step_ms", "gb_s")})
+    keys = ["C", "logits_ms", "gh_ms", "gw_mm_ms", "gw_addmm_ms", "sum_ms", "BLOCK_V", "num_warps", "fast_tanh",
             "ms", "x_floor", "peak_gib", "tflops", "gh_rel32", "gW_rel32", "loss_rel32", "gh_rel", "gW_rel", "gb_s",
             "per_step_ms", "error"]
     for r in ROWS:

@@ -373,5 +373,5 @@ def test_op_call_signature_for_graph_passes():
     with m:
         outs = torch.ops.fxfuse.linear_cross_entropy_fwd(fh, fW, fy, None, -100, "none", 0.0, 1.0, 0.0, True,
                                                          True, True, False, 0)
-        assert [tuple(o.shape) for o in outs] == [(12,), (12,), (12, 8), (21, 8), (0,), ()]
+        assert [tuple(o.shape) for o in outs] == [(12,), (2, 12), (12, 8), (21, 8), (0,), ()]  # lse: max, log S
         assert outs[2].stride() == (8, 1) and outs[0].dtype == torch.float32

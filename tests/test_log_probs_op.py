@@ -230,7 +230,8 @@ def test_row_kernel_matches_torch_twin(dtype, block_v, monkeypatch):
         outs = {}
         for name, fwd, bwd in [("torch", K._rows_torch_fwd, K._rows_torch_bwd),
                                ("triton", K._rows_triton_fwd, K._rows_triton_bwd)]:
-            lp, ent, lse, ez = (torch.empty(C, device=device) for _ in range(4))
+            lp, ent, ez = (torch.empty(C, device=device) for _ in range(3))
+            lse = torch.empty(2, C, device=device)  # row statistics: max, log S
             fwd(logits, idx, lp, ent, lse, ez, T, cap)
             buf = logits.clone()
             bwd(buf, idx, lse, ez, gl, ge, T, cap)
@@ -307,7 +308,7 @@ def test_fake_shapes_and_strides():
         for ent in (True, False):
             outs = torch.ops.fxfuse.linear_log_probs_fwd(fh, fW, fy, fb, 0.7, 30.0, ent, True, True, True, 0)
             n = 12 if ent else 0
-            assert [tuple(o.shape) for o in outs] == [(12,), (n,), (12,), (n,)]
+            assert [tuple(o.shape) for o in outs] == [(12,), (n,), (2, 12), (n,)]  # lse: max, log S
             assert all(o.dtype == torch.float32 for o in outs)
         gl = torch.empty(12)
         gh, gw, gb = torch.ops.fxfuse.linear_log_probs_bwd(gl, None, fh, fW, fy, fb, outs[2], outs[3], 0.7, 30.0,

@@ -7,29 +7,36 @@ What is computed (``fxfuse::linear_log_probs``), for every token row t (no ignor
     z      = logits                                          # fp32 from here on
     z      = softcap * tanh(z / softcap)       if softcap    # FIRST the softcap (Gemma-2: inside the model)
     z      = z / temperature                                 # THEN the temperature (TRL: in the trainer)
-    lse_t  = logsumexp(z_t)
-    logp_t = z_t[index_t] - lse_t                            # = log_softmax(z_t)[index_t]
-    H_t    = lse_t - sum_v p_t,v * z_t,v                     # entropy, p = softmax(z)
+    mx_t   = max_v z_t,v,   ls_t = log sum_v exp(z_t,v - mx_t)   # the row normaliser, two fp32 numbers (below)
+    logp_t = (z_t[index_t] - mx_t) - ls_t                    # = log_softmax(z_t)[index_t]
+    H_t    = ls_t - sum_v p_t,v * (z_t,v - mx_t)             # entropy, p = softmax(z)
 
 The order softcap -> temperature is TRL's (GRPO/DPO trainers divide the model's logits, which Gemma-2 has already
 softcapped, by the temperature): ``z = softcap(logits) / temperature``.
 
-Gradients (backward by recomputation; the forward saves lse [N] and, with entropy, E_p[z] [N], both fp32), for
-arbitrary per-token upstream grads g_logp [N] and g_ent [N] (advantages, masks, importance ratios)::
+Gradients (backward by recomputation; the forward saves the row statistics [2, N] = (mx, ls) and, with entropy,
+E_p[z] - mx [N], all fp32), for arbitrary per-token upstream grads g_logp [N] and g_ent [N] (advantages, masks,
+importance ratios)::
 
-    d logp_t / d z_t = onehot(index_t) - p_t
-    d H_t    / d z_t = -p_t * (z_t - E_p[z_t])
+    d logp_t / d z_t = onehot(index_t) - p_t,     p_t,v = exp((z_t,v - mx_t) - ls_t)
+                       (at index_t: 1 - p = -expm1((z_t[index_t] - mx_t) - ls_t), one scalar per row)
+    d H_t    / d z_t = -p_t * ((z_t - mx_t) - (E_p[z_t] - mx_t))
     d z / d logits   = (1 - tanh^2(logits / softcap)) / temperature      (1 / temperature without softcap)
 
 Memory: like the LCE op (:mod:`fxfuse.kernels.linear_cross_entropy`, whose chunk loop this module reuses), one
 [C, V] logits buffer of ``chunk_bytes`` (default 256 MiB) is reused across token chunks; the row kernel reads it
-(forward: lse, the picked logit, the entropy) or overwrites it in place with d loss / d logits (backward), and
-cuBLAS does the three matmuls (logits chunk, grad_hidden[chunk] = dlogits @ W, grad_weight += dlogits^T @ h).
+(forward: the row statistics, the picked logit, the entropy) or overwrites it in place with d loss / d logits
+(backward), and cuBLAS does the three matmuls (logits chunk, grad_hidden[chunk] = dlogits @ W, grad_weight +=
+dlogits^T @ h).
 
-Entropy precision: the row kernel keeps, per lane, online (max m, sum e^(z-m), the same sum without the lane's
-max element, sum e^(z-m) (z-m)), so ``H = log1p(S - 1) - T / S`` with S = sum e^(z-mx), T = sum e^(z-mx) (z-mx):
-both terms are >= 0 (no cancellation between lse and E_p[z], which loses ~|z| * 1e-7 absolute in fp32) and
-S - 1 is summed without the max element's 1 (log S alone loses entropies below ~1e-7 of nearly one-hot rows).
+Precision: the row normaliser is two fp32 numbers, not one lse (the LCE kernel module explains why and holds
+the shared helpers ``_stats_*``, ``_log1p``, ``_expm1``): ``mx`` the row max (one of the z values, so z - mx is
+exact at the max) and ``ls = log1p(S - 1)``, S = sum e^(z-mx), S - 1 summed without the max element's 1 (per
+lane online: max m, r = sum e^(z-m) without the lane's max, t = sum e^(z-m) (z-m)). One fp32 lse rounds to
+~|lse| * 6e-8 absolute, which swamps log-probs near 0 (peaked rows: logp ~ -1e-6) and their gradient
+1 - p_y; ``(z - mx) - ls`` keeps them at their relative precision. The entropy ``H = log1p(S - 1) - T / S`` with
+T = sum e^(z-mx) (z-mx) has two terms >= 0 (no cancellation between lse and E_p[z], which loses ~|z| * 1e-7
+absolute in fp32), and its gradient uses z - E_p[z] = (z - mx) - T/S (E_p[z] is saved relative to mx).
 
 The PyTorch row step (``_rows_torch_*``) runs on CPU and is the CI twin of the kernel; the Triton kernel runs on
 CUDA, or on CPU under ``TRITON_INTERPRET=1`` when ``FORCE_TRITON`` (env ``FXFUSE_LOGP_FORCE_TRITON=1``) is set.
@@ -43,10 +50,11 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAVE_TRITON, tl, triton
-from .linear_cross_entropy import DEFAULT_CHUNK_BYTES, _chunk_loop, row_launch_config, rows_per_chunk
+from .linear_cross_entropy import (DEFAULT_CHUNK_BYTES, _chunk_loop, rounded_z, row_launch_config,
+                                   row_stats_torch, rows_per_chunk)
 
 if HAVE_TRITON:
-    from .linear_cross_entropy import _tanh
+    from .linear_cross_entropy import _expm1, _mul_rn, _pick, _stats_finish, _stats_init, _stats_update, _tanh
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -75,16 +83,28 @@ def _use_triton(t: torch.Tensor) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
+    def _logp_z(x, inv_temp, softcap, inv_softcap, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                RN: tl.constexpr):
+        """(z, th) from the fp32 logits x: first the softcap (th = the tanh), then / temperature; the final product
+        rounded (``_mul_rn``: z - mx exactly 0 at the max on CUDA too)."""
+        th = x
+        if SOFTCAP:
+            th = _tanh(x * inv_softcap, FAST_TANH)
+            x = softcap * th
+        return _mul_rn(x, inv_temp, RN), th
+
+    @triton.jit
     def _logp_rows_kernel(
         logits_ptr, stride_row,          # [C, V] chunk; overwritten with d loss / d logits when BACKWARD
         index_ptr,                       # [C] int64
         logp_ptr, ent_ptr,               # [C] fp32 outputs (forward)
-        lse_ptr, ez_ptr,                 # [C] fp32: written (forward) or read (backward); ez = E_p[z]
+        mx_ptr, ls_ptr, ez_ptr,          # [C] fp32: written (forward) or read (backward): row max, log S and
+                                         #   E_p[z] - mx
         glogp_ptr, stride_gl,            # [C] upstream grad of logp (backward, HAS_GLOGP)
         gent_ptr, stride_ge,             # [C] upstream grad of the entropy (backward, HAS_GENT)
         V, inv_temp, softcap, inv_softcap,
         BACKWARD: tl.constexpr, ENTROPY: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
-        SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, FAST_TANH: tl.constexpr,
+        SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, FAST_TANH: tl.constexpr, RN: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # int64: C * V exceeds 2**31 for big budgets
         base = logits_ptr + row * stride_row
@@ -92,74 +112,65 @@ if HAVE_TRITON:
         cols0 = tl.arange(0, BLOCK_V)
 
         if not BACKWARD:
-            # One pass, per-lane online softmax statistics (finite -1e30 start: never inf - inf):
-            #   m: running max; r = sum e^(z-m) over the lane's elements EXCEPT its max (so S - 1 stays exact
-            #   for peaked rows; -1 = lane not hit yet); t = sum e^(z-m) (z-m)  (r, t only with ENTROPY)
-            m = tl.full([BLOCK_V], -1e30, dtype=tl.float32)
-            s = tl.zeros([BLOCK_V], dtype=tl.float32)
-            r = tl.full([BLOCK_V], -1.0, dtype=tl.float32)
+            # One pass, per-lane online softmax statistics (shared with the LCE kernel: m, r = sum e^(z-m) without
+            # the lane's max) and, with ENTROPY, t = sum e^(z-m) (z-m).
+            m, r = _stats_init(BLOCK_V)
             t = tl.zeros([BLOCK_V], dtype=tl.float32)
             zy = tl.zeros([BLOCK_V], dtype=tl.float32)
             for start in range(0, V, BLOCK_V):
                 cols = start + cols0
                 mask = cols < V
-                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                if SOFTCAP:
-                    z = softcap * _tanh(z * inv_softcap, FAST_TANH)
-                z = z * inv_temp
-                zm = tl.where(mask, z, -float("inf"))
-                m_new = tl.maximum(m, zm)
-                a = tl.exp(m - m_new)
-                e = tl.exp(zm - m_new)  # 0 on masked lanes
+                z, _th = _logp_z(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), inv_temp, softcap,
+                                 inv_softcap, SOFTCAP, FAST_TANH, RN)
+                m_new, r_new, q, dz, up = _stats_update(m, r, tl.where(mask, z, -float("inf")))
                 if ENTROPY:
-                    t = a * (t + (m - m_new) * s) + tl.where(mask, e * (z - m_new), 0.0)
-                    r = tl.where(zm > m, (r + 1.0) * a, r + e)  # new max: the old max joins the rest
-                s = s * a + e
+                    # new max (dz = z - m > 0): t rescales by q = e^-dz and shifts by -dz per element (r + 1 = the
+                    # lane's full sum, 0 for a lane not hit yet); else the element adds q * dz = e^(z-m) (z-m)
+                    dz = tl.where(mask, dz, 0.0)  # masked lanes: -inf (q = 0, up false): no nan from 0 * inf
+                    t = tl.where(up, q * (t - dz * (r + 1.0)), t + q * dz)
                 m = m_new
+                r = r_new
                 zy += tl.where(cols == y, z, 0.0)
-            mx = tl.max(m, axis=0)
-            w = tl.exp(m - mx)
-            S = tl.sum(s * w, axis=0)
-            lse = mx + tl.log(S)
-            tl.store(lse_ptr + row, lse)
-            tl.store(logp_ptr + row, tl.sum(zy, axis=0) - lse)
+            mx, ls, w, Sm1 = _stats_finish(m, r, BLOCK_V)
+            tl.store(mx_ptr + row, mx)
+            tl.store(ls_ptr + row, ls)
+            tl.store(logp_ptr + row, (tl.sum(zy, axis=0) - mx) - ls)
             if ENTROPY:
-                # H = log S - T/S with S = sum e^(z-mx) = 1 + Sm1, T = sum e^(z-mx) (z-mx) <= 0; both terms >= 0
-                # (no lse - E_p[z] cancellation) and log S = log1p(Sm1) keeps nearly one-hot rows exact.
-                T = tl.sum(w * (t + (m - mx) * s), axis=0)  # lanes never hit: w = 0, s = 0
-                at_max = m == mx
-                Sm1 = (tl.sum(tl.where(m > -1e30, w * r, 0.0), axis=0)
-                       + tl.sum(tl.where(at_max, 0.0, w), axis=0) + (tl.sum(at_max.to(tl.float32), axis=0) - 1.0))
-                u = 1.0 + Sm1
-                log1p_s = tl.where(u == 1.0, Sm1, tl.log(u) * (Sm1 / tl.where(u == 1.0, 1.0, u - 1.0)))  # Goldberg's log1p
-                ent = log1p_s - T / S
-                tl.store(ent_ptr + row, ent)
-                tl.store(ez_ptr + row, mx + T / S)
+                # H = log S - T/S with S = 1 + Sm1, T = sum e^(z-mx) (z-mx) <= 0: both terms >= 0 (no lse - E_p[z]
+                # cancellation) and log S = log1p(Sm1) keeps nearly one-hot rows exact.
+                T = tl.sum(w * (t + (m - mx) * (r + 1.0)), axis=0)  # lanes never hit: w = 0, r + 1 = 0
+                ezr = T / (1.0 + Sm1)
+                tl.store(ent_ptr + row, ls - ezr)
+                tl.store(ez_ptr + row, ezr)
         else:
-            # d loss / d z = g_logp * (onehot - p) - g_ent * p * (z - E_p[z]); times dz/dlogit.
-            lse = tl.load(lse_ptr + row)
+            # d loss / d z = g_logp * (onehot - p) - g_ent * p * ((z - mx) - (E_p[z] - mx)); times dz/dlogit.
+            # The index entry g_logp * (1 - p_y) = -g_logp * expm1((z_y - mx) - ls) is one scalar per row.
+            mx = tl.load(mx_ptr + row)
+            ls = tl.load(ls_ptr + row)
             gl = 0.0
             ge = 0.0
-            ez = 0.0
+            ezr = 0.0
+            dy = 0.0
             if HAS_GLOGP:
                 gl = tl.load(glogp_ptr + row * stride_gl).to(tl.float32)
+                xk, k = _pick(base, y, (y >= 0) & (y < V))
+                zk, _thk = _logp_z(xk, inv_temp, softcap, inv_softcap, SOFTCAP, FAST_TANH, RN)
+                dy = -gl * _expm1((tl.sum(tl.where(k == 0, zk, 0.0), axis=0) - mx) - ls)
             if HAS_GENT:
                 ge = tl.load(gent_ptr + row * stride_ge).to(tl.float32)
-                ez = tl.load(ez_ptr + row)
+                ezr = tl.load(ez_ptr + row)
             for start in range(0, V, BLOCK_V):
                 cols = start + cols0
                 mask = cols < V
-                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                if SOFTCAP:
-                    th = _tanh(z * inv_softcap, FAST_TANH)
-                    z = softcap * th
-                z = z * inv_temp
-                p = tl.exp(z - lse)
+                z, th = _logp_z(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), inv_temp, softcap,
+                                inv_softcap, SOFTCAP, FAST_TANH, RN)
+                zr = z - mx
+                p = tl.exp(zr - ls)
                 d = tl.zeros([BLOCK_V], dtype=tl.float32)
                 if HAS_GLOGP:
-                    d = tl.where(cols == y, gl, 0.0) - p * gl
+                    d = tl.where(cols == y, dy, -gl * p)
                 if HAS_GENT:
-                    d = d - ge * p * (z - ez)
+                    d = d - ge * p * (zr - ezr)
                 d = d * inv_temp
                 if SOFTCAP:
                     d = d * (1.0 - th * th)
@@ -179,13 +190,13 @@ def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap,
     _logp_rows_kernel[(C,)](
         buf, buf.stride(0), index,
         logp if logp is not None else dummy, ent if ent is not None else dummy,
-        lse, ez if ez is not None else dummy,
+        lse[0], lse[1], ez if ez is not None else dummy,
         g_logp if g_logp is not None else dummy, g_logp.stride(0) if g_logp is not None else 0,
         g_ent if g_ent is not None else dummy, g_ent.stride(0) if g_ent is not None else 0,
         V, 1.0 / float(temperature), float(softcap or 1.0), 1.0 / float(softcap or 1.0),
         BACKWARD=bool(backward), ENTROPY=ent is not None, HAS_GLOGP=g_logp is not None,
         HAS_GENT=g_ent is not None, SOFTCAP=bool(softcap), BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh,
-        num_warps=num_warps,
+        RN=rounded_z(buf), num_warps=num_warps,
     )
 
 
@@ -212,42 +223,45 @@ def _z(buf, temperature, softcap):
 
 
 def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap):
-    """Reads the [C, V] logits in ``buf``; writes logp, lse (and, when ``ent`` is given, the entropy and
-    E_p[z] into ``ent`` / ``ez``), all [C] fp32."""
+    """Reads the [C, V] logits in ``buf``; writes logp [C], the row statistics ``lse`` ([2, C]: the row max, log S)
+    and, when ``ent`` is given, the entropy and E_p[z] - mx into ``ent`` / ``ez`` ([C]); all fp32."""
     if buf.shape[0] == 0:
         return
     z, _ = _z(buf, temperature, softcap)
-    l = torch.logsumexp(z, dim=-1)
-    lse.copy_(l)
-    logp.copy_(z.gather(1, index.unsqueeze(1)).squeeze(1) - l)
+    mx, ls, zs, e = row_stats_torch(z)  # as in the kernel: log S = log1p(S - 1), S - 1 without the max's 1
+    del z
+    lse[0].copy_(mx)
+    lse[1].copy_(ls)
+    logp.copy_(zs.gather(1, index.unsqueeze(1)).squeeze(1) - ls)
     if ent is not None:
-        # H = log1p(S - 1) - T/S around the row max (as in the kernel): exact for nearly one-hot rows too
-        mx, am = z.max(dim=-1, keepdim=True)
-        zs = z - mx
-        e = zs.exp()
-        S = e.sum(-1)
-        T = (e * zs).sum(-1)
-        Sm1 = e.scatter(1, am, 0.0).sum(-1)  # e^0 = 1 of the (first) max left out
-        h = torch.log1p(Sm1) - T / S
-        ent.copy_(h)
-        ez.copy_(mx.squeeze(1) + T / S)
+        # H = log1p(S - 1) - T/S around the row max: exact for nearly one-hot rows too (e is 0 at the max,
+        # where zs = 0 contributes nothing to T anyway)
+        S = 1.0 + e.sum(-1)
+        ezr = (e * zs).sum(-1) / S
+        ent.copy_(ls - ezr)
+        ez.copy_(ezr)
 
 
 def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
-    """Overwrites ``buf`` (the [C, V] logits) with d(sum g_logp*logp + g_ent*H)/d logits."""
+    """Overwrites ``buf`` (the [C, V] logits) with d(sum g_logp*logp + g_ent*H)/d logits, from the saved row
+    statistics ``lse`` ([2, C]) and ``ez`` (E_p[z] - mx, [C])."""
     if buf.shape[0] == 0:
         return
     z, th = _z(buf, temperature, softcap)
-    p = torch.exp(z - lse.unsqueeze(1))
+    zs = z - lse[0].unsqueeze(1)  # z - mx
+    del z
+    p = torch.exp(zs - lse[1].unsqueeze(1))
     if g_logp is not None:
-        gl = g_logp.float().unsqueeze(1)
-        d = p * -gl
-        d.scatter_add_(1, index.unsqueeze(1), gl)
+        gl = g_logp.float()
+        d = p * -gl.unsqueeze(1)
+        idx = index.unsqueeze(1)
+        # the index entry g (1 - p_y) = -g expm1((z_y - mx) - ls): accurate for peaked rows
+        d.scatter_(1, idx, (-gl * torch.expm1(zs.gather(1, idx).squeeze(1) - lse[1])).unsqueeze(1))
     else:
         d = torch.zeros_like(p)
     if g_ent is not None:
-        d -= g_ent.float().unsqueeze(1) * p * (z - ez.unsqueeze(1))
-    del p, z
+        d -= g_ent.float().unsqueeze(1) * p * (zs - ez.unsqueeze(1))
+    del p, zs
     if temperature != 1.0:
         d /= temperature
     if th is not None:
@@ -260,19 +274,19 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
                  chunk_bytes: int):
     """hidden [N, D], weight [V, D], index [N] int64, bias [V] or None.
 
-    Returns (logp [N], entropy [N] or [0], lse [N], ez [N] or [0]), all fp32; ``ez`` = E_p[z] (saved for the
-    entropy gradient)."""
+    Returns (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0]), all fp32; ``lse`` = the row statistics
+    (row 0 the max mx, row 1 ls = log sum exp(z - mx)), ``ez`` = E_p[z] - mx (saved for the entropy gradient)."""
     N = hidden.shape[0]
     dev = hidden.device
     fwd = _rows_triton_fwd if _use_triton(hidden) else _rows_torch_fwd
     index = index.contiguous()
     logp = torch.empty(N, dtype=torch.float32, device=dev)
-    lse = torch.empty(N, dtype=torch.float32, device=dev)
+    lse = torch.empty((2, N), dtype=torch.float32, device=dev)
     ent = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
     ez = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
 
     def step(buf, s, e):
-        fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[s:e], ez[s:e] if entropy else None,
+        fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[:, s:e], ez[s:e] if entropy else None,
             temperature, softcap)
 
     _chunk_loop(hidden, weight, bias, step, False, False, False, chunk_bytes, False)
@@ -301,7 +315,7 @@ def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
         g_ent = g_ent.float()
 
     def step(buf, s, e):
-        bwd(buf, index[s:e], lse[s:e], ez[s:e] if g_ent is not None else None,
+        bwd(buf, index[s:e], lse[:, s:e], ez[s:e] if g_ent is not None else None,
             g_logp[s:e] if g_logp is not None else None, g_ent[s:e] if g_ent is not None else None,
             temperature, softcap)
 

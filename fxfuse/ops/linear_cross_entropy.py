@@ -24,7 +24,10 @@ Inductor's code:
 * ``fxfuse::linear_cross_entropy_fwd(hidden, weight, target, bias, ignore_index, reduction, softcap, scale,
   label_smoothing, grad_in_forward, grad_hidden, grad_weight, grad_bias, chunk_bytes)
   -> (loss, lse, grad_hidden, grad_weight, grad_bias)`` (custom_op with register_fake + register_autograd;
-  grads are empty [0] tensors unless computed in the forward),
+  grads are empty [0] tensors unless computed in the forward; ``lse`` is the row normaliser as two fp32 numbers
+  per row, [2, N]: row 0 the row max mx of z, row 1 ls = log sum exp(z - mx), so logsumexp = mx + ls. One fp32
+  lse would round to ~|lse| * 6e-8, more than the whole loss of a peaked row: see
+  :mod:`fxfuse.kernels.linear_cross_entropy`),
 * ``fxfuse::linear_cross_entropy_bwd(...)`` (recompute strategy) and
   ``fxfuse::linear_cross_entropy_scale_grads_(...)`` (grad-in-forward strategy: scales the saved gradients by
   the upstream scalar in place, so no second copy of grad_weight is ever allocated).
@@ -109,7 +112,7 @@ def _(hidden, weight, target, bias, ignore_index, reduction, softcap, scale, lab
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     f32 = torch.float32
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=f32)
-    lse = hidden.new_empty((N,), dtype=f32)
+    lse = hidden.new_empty((2, N), dtype=f32)  # row max, log S
     gh = hidden.new_empty((N, D)) if wh else hidden.new_empty(0)
     gw = weight.new_empty((V, D)) if ww else hidden.new_empty(0)
     gb = bias.new_empty((V,)) if wb else hidden.new_empty(0)

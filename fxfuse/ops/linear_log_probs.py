@@ -23,8 +23,10 @@ That op is CompositeImplicitAutograd (it reads ``requires_grad`` / grad mode at 
 gradients the backward computes); AOTAutograd decomposes it into
 
 * ``fxfuse::linear_log_probs_fwd(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden,
-  grad_weight, grad_bias, chunk_bytes) -> (logp [N], entropy [N] or [0], lse [N], ez [N] or [0])``
-  (custom_op + register_fake + register_autograd; lse = logsumexp(z), ez = E_p[z], both saved for backward), and
+  grad_weight, grad_bias, chunk_bytes) -> (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0])``
+  (custom_op + register_fake + register_autograd; saved for the backward: lse = the row normaliser as two fp32
+  numbers per row, row 0 the max mx of z and row 1 ls = log sum exp(z - mx), so logsumexp = mx + ls (one fp32
+  lse loses the log-probs of peaked rows, see :mod:`fxfuse.kernels.linear_log_probs`); ez = E_p[z] - mx), and
 * ``fxfuse::linear_log_probs_bwd(grad_logp?, grad_entropy?, hidden, weight, index, bias, lse, ez, temperature,
   softcap, grad_hidden, grad_weight, grad_bias, chunk_bytes) -> (grad_hidden, grad_weight, grad_bias)``
   (recomputes the logits chunk by chunk; arbitrary per-token upstream grads, either may be None).
@@ -33,7 +35,7 @@ The public function is :func:`linear_log_probs`; it checks the contract before c
 :class:`~fxfuse.errors.FxFuseContractError` fires in eager and under torch.compile.
 
 ``index`` values are not range-checked on the device (that would need a host sync): an index outside [0, V)
-raises in the CPU path's ``gather`` but gives ``logp = -lse`` silently in the Triton path.
+raises in the CPU path's ``gather`` but gives ``logp = -logsumexp(z)`` silently in the Triton path.
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def _(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hi
     N = hidden.shape[0]
     f32 = torch.float32
     logp = hidden.new_empty((N,), dtype=f32)
-    lse = hidden.new_empty((N,), dtype=f32)
+    lse = hidden.new_empty((2, N), dtype=f32)  # row max, log S
     ent = hidden.new_empty((N,) if return_entropy else (0,), dtype=f32)
     ez = hidden.new_empty((N,) if return_entropy else (0,), dtype=f32)
     return logp, ent, lse, ez
