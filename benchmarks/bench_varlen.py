@@ -72,13 +72,7 @@ def sec_check():
                 gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
                 emit(section="check", what=f"left-padded masked_rows={name}", dtype=str(dt), D=D, softcap=cap,
                      out=rel(out, ref), dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
-    # what CUDA SDPA gives a fully masked row with a bool mask
-    q = torch.randn(1, 4, 64, 64, device=DEV, dtype=torch.bfloat16)
-    keep = torch.ones(64, 64, device=DEV).tril().bool()
-    keep[:, :10] = False
-    o = F.scaled_dot_product_attention(q, q, q, attn_mask=keep[None, None])
-    emit(section="check", what="CUDA SDPA, bool mask, fully masked rows", rows_zero=bool((o[:, :, :10] == 0).all()),
-         rows_nan=bool(torch.isnan(o[:, :, :10]).any()), max_abs=float(o[:, :, :10].float().abs().max()))
+    sec_sdpa_dead_rows()
     # packed mask: the op vs SDPA with the same mask
     lens = doc_lengths(20, 1, lo=16, hi=1500)
     m = packed_mask(lens, DEV)
@@ -93,6 +87,36 @@ def sec_check():
     gr = torch.autograd.grad(ref, (q, k, v), do.float())
     emit(section="check", what="packed mask vs fp32 SDPA", S=S, docs=len(lens), out=rel(out, ref),
          dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
+
+
+def sec_sdpa_dead_rows():
+    """What SDPA itself gives a fully masked query row with a bool mask, per backend: zeros, the mean of v over all
+    keys, or the unmasked attention (forward and dq of those rows)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    B, H, S, D, dead = 2, 4, 96, 64, 10
+    keep = torch.ones(S, S, device=DEV).tril().bool()[None, None].repeat(B, 1, 1, 1)
+    keep[:, :, :, :dead] = False  # keys 0..9 masked: query rows 0..9 see no key
+    for dt in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(B, H, S, D, device=DEV, dtype=dt, requires_grad=True) for _ in range(3))
+        cands = {"zeros": torch.zeros(B, H, dead, D, device=DEV),
+                 "mean of v": v.detach().float().mean(2, keepdim=True).expand(B, H, dead, D),
+                 "unmasked": F.scaled_dot_product_attention(q.float(), k.float(), v.float())[:, :, :dead].detach()}
+        for be in ("default", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+            try:
+                ctx = sdpa_kernel([getattr(SDPBackend, be)]) if be != "default" else __import__("contextlib").nullcontext()
+                with ctx:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+                    (dq,) = torch.autograd.grad(o[:, :, :dead].float().sum(), (q,), allow_unused=True)
+                od = o[:, :, :dead].float()
+                emit(section="check", what="SDPA bool mask, fully masked rows", backend=be, dtype=str(dt),
+                     nan=bool(torch.isnan(od).any()),
+                     closest={n: float((od - c).norm() / c.norm().clamp_min(1e-6)) for n, c in cands.items()},
+                     dq_dead_rows_abs=float(dq[:, :, :dead].abs().max()) if dq is not None else None)
+            except Exception as e:
+                emit(section="check", what="SDPA bool mask, fully masked rows", backend=be, dtype=str(dt),
+                     error=f"{type(e).__name__}: {str(e)[:160]}")
 
 
 # -------------------------------------------------------------------------------------------------- attn

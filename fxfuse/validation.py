@@ -274,6 +274,8 @@ def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[A
                 runner.env[n] = val
                 if _is_context_node(n):
                     continue
+                if n.op == "get_attr" and not isinstance(val, torch.Tensor):
+                    continue  # a subgraph body (Dynamo records no value for it): nothing to propagate
                 new = fx.node.map_aggregate(val, lambda x: x)  # tuples stay tuples
                 n.meta["val"] = new
                 if cur is None or not _same_meta(cur, new):

@@ -36,7 +36,7 @@ import torch.fx as fx
 
 import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
 from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hint, op_kind
-from fxfuse.lazy import LazyLogits, apply_recipe
+from fxfuse.lazy import LazyLogits
 from fxfuse.registry import register_pass
 
 from ._logit_chain import LogitChain, chunk_bytes_option, match_logit_chain
@@ -110,11 +110,15 @@ _ELEMENTWISE = ("cast", "mul", "div", "tanh")
 
 
 def _make_logits(hidden, weight, bias, *, recipe, weight_transposed, dtype):
-    """Rebuild of a substituted logits output: real (fake) logits while validating, lazy ones at run time."""
+    """Rebuild of a substituted logits output: lazy logits at run time; while validating (fake tensors), a tensor
+    with exactly the metadata a LazyLogits has (shape, dtype, device, contiguous strides), made without running
+    the projection: re-running ``linear`` on fake tensors of a symbolic length can ask for a concrete length (a
+    guard, seen on CUDA with torch 2.11), which would specialise the graph."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     if isinstance(hidden, FakeTensor):
-        return apply_recipe(hidden, weight, bias, recipe, weight_transposed)
+        vocab = weight.shape[1] if weight_transposed else weight.shape[0]
+        return hidden.new_empty((*hidden.shape[:-1], vocab), dtype=dtype)
     return LazyLogits(hidden, weight, bias, recipe, weight_transposed, dtype)
 
 
