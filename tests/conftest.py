@@ -51,6 +51,9 @@ def tiny_causal_lm(arch: str = "llama", **overrides):
     torch.manual_seed(0)
     common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    for key in list(overrides):  # size overrides go into the constructor (derived fields follow them)
+        if key in common:
+            common[key] = overrides.pop(key)
     if arch == "llama":
         cfg = tf.LlamaConfig(**common)
         cls = tf.LlamaForCausalLM
@@ -64,6 +67,9 @@ def tiny_causal_lm(arch: str = "llama", **overrides):
         cfg = tf.Gemma2Config(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
                               final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
         cls = tf.Gemma2ForCausalLM
+    elif arch == "gemma":
+        cfg = tf.GemmaConfig(**common, head_dim=8)
+        cls = tf.GemmaForCausalLM
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=8)
         cls = tf.Qwen3ForCausalLM
