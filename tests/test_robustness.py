@@ -231,3 +231,25 @@ def test_a_pass_that_raises_is_reported_at_its_own_line():
     torch.compile(lambda x: x + 1, backend="fxfuse", options={**AOT, "extra_passes": [half_done]})(torch.randn(2))
     (rec,) = fxfuse.report().rolled_back
     assert "test_robustness.py" in rec.location and "half-way through" in rec.location, rec.location
+
+
+@pytest.mark.parametrize("bad", [128, -3])
+def test_out_of_range_targets_name_the_op_the_value_and_the_position(bad):
+    from fxfuse.errors import FxFuseContractError
+    from fxfuse.ops import linear_cross_entropy, linear_log_probs
+
+    h, w = torch.randn(6, 16), torch.randn(128, 16)
+    y = torch.tensor([1, 2, -100, bad, 4, 5])
+    with pytest.raises(FxFuseContractError, match=rf"linear_cross_entropy: target\[3\] = {bad} .*128-entry"):
+        linear_cross_entropy(h, w, y)
+    y[2] = 0
+    with pytest.raises(FxFuseContractError, match=rf"linear_log_probs: index\[3\] = {bad}"):
+        linear_log_probs(h, w, y)
+    # through a compiled model: the same error, not an index error from deep inside
+    model = tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (2, 10))
+    labels = ids.clone()
+    labels[1, 4] = bad
+    cm = torch.compile(model, backend="fxfuse", options=AOT)
+    with pytest.raises(FxFuseContractError, match=rf"target\[\d+\] = {bad}"):
+        cm(input_ids=ids, labels=labels, use_cache=False)

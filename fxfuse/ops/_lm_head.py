@@ -28,3 +28,33 @@ def empty_weight_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], g
     return (hidden.new_empty((N, D)) if grad_hidden else hidden.new_empty(0),
             weight.new_empty((V, D)) if grad_weight else hidden.new_empty(0),
             bias.new_empty((V,)) if (grad_bias and bias is not None) else hidden.new_empty(0))
+
+
+def check_class_indices(op: str, target: Tensor, num_classes: int, ignore_index: Optional[int] = None,
+                        what: str = "target") -> None:
+    """Every entry of ``target`` must be a class index in [0, num_classes) (or ``ignore_index``).
+
+    The fused kernels never index out of bounds with a bad target, they would silently compute the loss of a
+    class that does not exist: check it here. On the CPU the first offending value and its position are named at
+    once. On CUDA a host sync per step is not acceptable, so the check is a device-side assertion
+    (``torch._assert_async``): like PyTorch's own cross-entropy on CUDA, a bad target stops the program with a
+    device-side assert, here with this op's message.
+    """
+    if target.numel() == 0:
+        return
+    t = target.reshape(-1)
+    bad = (t < 0) | (t >= num_classes)
+    if ignore_index is not None:
+        bad &= t != ignore_index
+    allowed = f"0..{num_classes - 1}" + (f" or ignore_index={ignore_index}" if ignore_index is not None else "")
+    if t.device.type == "cpu":
+        if bool(bad.any()):
+            from ..errors import FxFuseContractError, user_source_line
+
+            i = int(bad.nonzero()[0])
+            where = user_source_line()
+            raise FxFuseContractError(
+                f"{op}: {what}[{i}] = {int(t[i])} is not a class index of the {num_classes}-entry vocabulary "
+                f"(allowed: {allowed})" + (f"\n  at {where}" if where else ""))
+    else:
+        torch._assert_async(~bad.any(), f"{op}: a {what} entry is outside {allowed} (vocabulary of {num_classes})")

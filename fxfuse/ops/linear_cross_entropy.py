@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
-from ._lm_head import empty_weight_grads, flatten_and_grad_flags
+from ._lm_head import check_class_indices, empty_weight_grads, flatten_and_grad_flags
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
 from ._autocast import register_autocast_casts
@@ -96,6 +96,7 @@ def linear_cross_entropy_fwd(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_linear_cross_entropy(hidden, weight, target, bias, reduction, softcap, label_smoothing)
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
+    check_class_indices(_OP, target, weight.shape[0], ignore_index)
     outs = K.lce_forward(hidden, weight, target.long(), bias, ignore_index, reduction, softcap, scale,
                          label_smoothing, grad_in_forward, wh, ww, wb, _chunk_bytes(chunk_bytes))
     # 0-dim flag saved with gradients computed in the forward: set by the first backward that consumes them.

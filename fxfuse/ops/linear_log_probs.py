@@ -34,8 +34,9 @@ gradients the backward computes); AOTAutograd decomposes it into
 The public function is :func:`linear_log_probs`; it checks the contract before calling the op, so the same
 :class:`~fxfuse.errors.FxFuseContractError` fires in eager and under torch.compile.
 
-``index`` values are not range-checked on the device (that would need a host sync): an index outside [0, V)
-raises in the CPU path's ``gather`` but gives ``logp = -logsumexp(z)`` silently in the Triton path.
+``index`` values are range-checked by the forward op (``_lm_head.check_class_indices``): on the CPU an index outside
+[0, V) raises an :class:`~fxfuse.errors.FxFuseContractError` naming it and its position; on CUDA, without a host
+sync, a device-side assertion with this op's message stops the program (as PyTorch's own gather would).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
-from ._lm_head import empty_weight_grads, flatten_and_grad_flags
+from ._lm_head import check_class_indices, empty_weight_grads, flatten_and_grad_flags
 from ..kernels import linear_log_probs as K
 from ._autocast import register_autocast_casts
 
@@ -78,6 +79,7 @@ def linear_log_probs_fwd(
     return_entropy: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool, chunk_bytes: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
+    check_class_indices(_OP, index, weight.shape[0], None, what="index")
     return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
                           bool(return_entropy), _chunk_bytes(chunk_bytes))
 
