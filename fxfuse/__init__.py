@@ -1,27 +1,35 @@
 """fxfuse: a torch.compile backend that fuses LLM training graphs, validated, in front of Inductor.
 
-    model = torch.compile(model, backend="fxfuse")
-    ...
+    model = fxfuse.compile(model, strict=True)         # = torch.compile(model, backend="fxfuse", options=...),
+    ...                                                 #   options checked here rather than at the first forward
     print(fxfuse.report())
 
-Public API: :func:`report`, :func:`reports`, :func:`clear_reports`, :func:`debug`, :mod:`fxfuse.ops` (fused ops
-callable directly), the error classes, and :func:`register_pass` for pass authors.
+    model = torch.compile(model, backend="fxfuse")     # the same, options checked at the first forward
+
+    fxfuse.install()                                   # code that compiles with Inductor itself (HF Trainer's
+    ...                                                #   TrainingArguments(torch_compile=True)) runs fxfuse too
+    fxfuse.uninstall()
+
+Public API: :func:`compile`, :func:`install` / :func:`uninstall`, :func:`report`, :func:`reports`,
+:func:`clear_reports`, :func:`debug`, :mod:`fxfuse.ops` (fused ops callable directly), the error classes, and
+:func:`register_pass` for pass authors. ``python -m fxfuse --help`` lists the command-line tools (demo, report,
+doctor).
 """
 from __future__ import annotations
 
 import contextlib
 
-from .errors import (FxFuseContractError, FxFuseError, FxFusePassError, FxFuseValidationError,
+from .errors import (FxFuseContractError, FxFuseError, FxFuseOptionsError, FxFusePassError, FxFuseValidationError,
                      PassRegistrationError)
-from .registry import register_pass, registered_passes
+from .registry import PassOption, register_pass, registered_passes
 from .report import FusionReport, SiteRecord, clear_reports, report, reports
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "report", "reports", "clear_reports", "debug", "ops", "register_pass", "registered_passes",
-    "FusionReport", "SiteRecord", "FxFuseError", "FxFuseContractError", "FxFusePassError",
-    "FxFuseValidationError", "PassRegistrationError", "__version__",
+    "compile", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
+    "registered_passes", "PassOption", "FusionReport", "SiteRecord", "FxFuseError", "FxFuseContractError",
+    "FxFusePassError", "FxFuseValidationError", "FxFuseOptionsError", "PassRegistrationError", "__version__",
 ]
 
 
@@ -73,6 +81,9 @@ def _import_passes():
 from . import ops  # noqa: E402,F401
 _passes = _import_passes()
 passes = _passes
+
+from .api import compile  # noqa: E402  (shadows the builtin inside this package only as fxfuse.compile)
+from .inductor_hook import install, uninstall  # noqa: E402
 
 
 def _register_backend_without_entry_point() -> None:

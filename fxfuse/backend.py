@@ -33,6 +33,7 @@ log = logging.getLogger("fxfuse")
 __all__ = ["fxfuse", "PassContext"]
 
 _DEFAULT_DEBUG_DIR: Optional[str] = None  # set by fxfuse.debug()
+PASSES_RAN = "fxfuse_passes_ran"  # GraphModule.meta key: fxfuse's passes already ran on this graph
 
 
 @dataclass
@@ -105,22 +106,37 @@ class PassContext:
         self._pending.append(SiteRecord(self.pass_name, SKIPPED, op, reason, node_location(node), None, detail))
 
     def pass_option(self, key: str, default: Any = None) -> Any:
-        return self.options.pass_options.get(self.pass_name, {}).get(key, default)
+        """The value of this pass's option ``key``: the user's (already checked by ``FxFuseOptions.parse``), else
+        ``default``, else the default the pass declared in ``register_pass(options=...)``."""
+        v = self.options.pass_options.get(self.pass_name, {}).get(key)
+        if v is not None:
+            return v
+        return default if default is not None else self._declared_default(key)
 
-    def int_option(self, key: str, default: int, minimum: int, what: str = "") -> int:
-        """An int pass option >= ``minimum`` (None = ``default``); anything else raises, so the pass is rolled
-        back with a reason that names the option (``what`` says what it means)."""
+    def _declared_default(self, key: str) -> Any:
+        spec = registry._REGISTRY.get(self.pass_name)
+        opt = spec.options.get(key) if spec is not None else None
+        return opt.default if opt is not None else None
+
+    def int_option(self, key: str, default: Optional[int] = None, minimum: int = 0, what: str = "") -> int:
+        """An int pass option >= ``minimum`` (None = ``default``, or the declared default); anything else raises, so
+        the pass is rolled back with a reason that names the option (``what`` says what it means). Parsed options
+        never get here with a bad value; options built by hand (tests, tools) still do."""
         v = self.pass_option(key, default)
-        v = default if v is None else v
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             kind = "a non-negative int" if minimum == 0 else f"an int >= {minimum}"
             raise FxFusePassError(f"pass_options[{self.pass_name!r}][{key!r}] must be {kind}"
                                   + (f" ({what})" if what else "") + f", got {v!r}")
         return v
 
-    def choice_option(self, key: str, default: str, choices: Sequence[str]) -> str:
-        """A pass option that must be one of ``choices``; anything else raises (the pass is rolled back)."""
+    def choice_option(self, key: str, default: Optional[str] = None, choices: Sequence[str] = ()) -> str:
+        """A pass option that must be one of ``choices`` (default: the declared choices); anything else raises (the
+        pass is rolled back)."""
         v = self.pass_option(key, default)
+        if not choices:
+            spec = registry._REGISTRY.get(self.pass_name)
+            opt = spec.options.get(key) if spec is not None else None
+            choices = tuple(opt.choices or ()) if opt is not None else ()
         if v not in choices:
             raise FxFusePassError(f"pass_options[{self.pass_name!r}][{key!r}] must be one of {tuple(choices)}, "
                                   f"got {v!r}")
@@ -525,9 +541,11 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import compile_fx
 
-    opts = FxFuseOptions.parse(options)
+    try:
+        opts = FxFuseOptions.parse(options)
+    except FxFuseError as e:  # reach the user as it is, not wrapped in Dynamo's BackendCompilerFailed
+        raise raised_through_dynamo(e) from None
     builtins = registry.registered_passes()
-    opts.check_pass_names([s.name for s in builtins])
     specs = [s for s in builtins if opts.enabled(s.name, s.enabled_by_default)]
     specs += [registry.user_pass_spec(fn, i) for i, fn in enumerate(opts.extra_passes)]
 
@@ -557,6 +575,8 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
             f.write(str(rep) + "\n")
         patches.setdefault("trace.enabled", True)
         patches.setdefault("trace.debug_dir", os.path.join(os.path.abspath(debug_dir), "inductor"))
+    # fxfuse.install() also runs the passes from inside Inductor (pre-grad hook); this graph has had them already
+    gm.meta[PASSES_RAN] = True
     if opts.compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 

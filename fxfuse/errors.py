@@ -17,6 +17,7 @@ __all__ = [
     "FxFuseContractError",
     "FxFusePassError",
     "FxFuseValidationError",
+    "FxFuseOptionsError",
     "PassRegistrationError",
     "user_source_line",
     "node_location",
@@ -38,6 +39,11 @@ class FxFusePassError(FxFuseError):
 
 class FxFuseValidationError(FxFuseError):
     """A pass changed what the graph computes (an output's shape, dtype, device or stride)."""
+
+
+class FxFuseOptionsError(FxFuseError, ValueError):
+    """An option fxfuse was given is unknown, misspelt or has a value it cannot mean (raised when the options are
+    parsed: at ``fxfuse.compile`` / ``fxfuse.install``, or at the first compile for ``torch.compile``)."""
 
 
 class PassRegistrationError(FxFuseError, ImportError):

@@ -1,19 +1,29 @@
-"""Options of the fxfuse backend, kept apart from Inductor's.
+"""Options of the fxfuse backend, kept apart from Inductor's, and checked as soon as they are given.
 
 ``torch.compile(model, backend="fxfuse", options={...})`` mixes both kinds in one dict. Keys listed in
 :data:`FXFUSE_KEYS` are fxfuse's; every other key must be an Inductor config name (``torch._inductor.config``,
 dotted for nested ones such as ``"triton.cudagraphs"``) and is forwarded to Inductor as a config patch together
-with the settings of ``mode``. An unknown key is an error rather than silently ignored.
+with the settings of ``mode``.
+
+:meth:`FxFuseOptions.parse` checks every key and value: fxfuse's keys by type and choices (a bool must be a real
+``bool``: ``"false"`` is truthy), ``passes`` against the registered pass names, and ``pass_options`` against the
+options each pass declares in its ``@register_pass(options=...)``. A mistake is an :class:`FxFuseOptionsError`
+with a short message and, for a misspelt name, a "did you mean" suggestion. Why here and not in the passes: under
+``torch.compile`` the options are only read at the first forward, inside Dynamo, and a pass that meets a bad
+value can only roll itself back, so a typo would silently mean "not fused" or "the default".
+:func:`fxfuse.compile` calls :meth:`FxFuseOptions.parse` at the call, so mistakes raise there.
 """
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
-from .errors import FxFuseError
+from .errors import FxFuseOptionsError
 
-__all__ = ["FxFuseOptions", "FXFUSE_KEYS"]
+__all__ = ["FxFuseOptions", "FxFuseOptionsError", "FXFUSE_KEYS", "did_you_mean"]
 
 FXFUSE_KEYS = {
     "passes": "dict {pass name: bool} to enable/disable built-in passes, or a list of the only names to run",
@@ -30,6 +40,58 @@ FXFUSE_KEYS = {
 COMPILERS = ("inductor", "aot_eager")
 
 
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"did you mean 'x'?"`` for the known name closest to ``name``, or ``""``.
+
+    Besides difflib's closeness, another capitalisation, an abbreviation made of a name's initials (``"lce"`` for
+    ``linear_cross_entropy``) and a unique prefix count as close: pass names are long and people shorten them.
+    """
+    known = [str(k) for k in known]
+    name = str(name)
+    hits = [k for k in known if k.lower() == name.lower()]
+    hits = hits or difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if not hits:
+        low = name.lower()
+        hits = [k for k in known if "_" in k and "".join(p[0] for p in k.split("_") if p) == low]
+    if not hits and len(name) >= 3:
+        hits = [k for k in known if k.startswith(name)]
+        hits = hits if len(hits) == 1 else []
+    return f"did you mean {hits[0]!r}?" if hits else ""
+
+
+def _kind(value: Any) -> str:
+    name = type(value).__name__
+    return f"{value!r} ({'an' if name[0] in 'aeiou' else 'a'} {name})"
+
+
+def _join(*parts: str) -> str:
+    """Message parts joined with "; " (a space after a question), empty ones left out."""
+    out = ""
+    for p in (p for p in parts if p):
+        out += ("" if not out else " " if out.endswith("?") else "; ") + p
+    return out
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt])i?b?\s*$", re.IGNORECASE)
+
+
+def _size_hint(value: Any) -> str:
+    """For a byte count written as a string ("1GB", "256 MiB"): the int to write instead."""
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if not m:
+        return ""
+    shift = {"k": 10, "m": 20, "g": 30, "t": 40}[m.group(2).lower()]
+    n = float(m.group(1))
+    spelled = f"{m.group(1)} << {shift}" if n.is_integer() else str(int(n * (1 << shift)))
+    return f"write {spelled} for {m.group(1)} {m.group(2).upper()}iB"
+
+
+def _check_bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise FxFuseOptionsError(f"options[{key!r}] must be True or False, got {_kind(value)}")
+    return value
+
+
 @dataclass
 class FxFuseOptions:
     passes: Optional[Union[Dict[str, bool], Sequence[str]]] = None
@@ -43,31 +105,57 @@ class FxFuseOptions:
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
+        """Check every key and value of ``options`` (see the module docstring); raise :class:`FxFuseOptionsError`
+        on the first mistake. ``pass_options`` come back with ``None`` values dropped (= the declared default)."""
+        if options is not None and not isinstance(options, dict):
+            raise FxFuseOptionsError(f"options must be a dict, got {_kind(options)}")
         options = dict(options or {})
+        for k in options:
+            if not isinstance(k, str):
+                raise FxFuseOptionsError(f"option names are strings, got {_kind(k)}")
         ours = {k: options.pop(k) for k in list(options) if k in FXFUSE_KEYS}
         unknown = [k for k in options if not _is_inductor_key(k)]
         if unknown:
-            raise FxFuseError(
-                f"unknown fxfuse/Inductor option(s) {unknown}. fxfuse's options: "
-                + "; ".join(f"{k}: {v}" for k, v in FXFUSE_KEYS.items())
-                + ". Anything else must be a torch._inductor.config name."
-            )
+            k = unknown[0]
+            hint = did_you_mean(k, FXFUSE_KEYS) or did_you_mean(k, _inductor_keys())
+            raise FxFuseOptionsError(_join(
+                f"unknown option {k!r}", hint, f"fxfuse's options are {', '.join(FXFUSE_KEYS)}; anything else must "
+                f"be a torch._inductor.config name"))
+
         extra = ours.get("extra_passes") or []
         if callable(extra):
             extra = [extra]
+        if not isinstance(extra, (list, tuple)):
+            raise FxFuseOptionsError(f"options['extra_passes'] must be a list of callables fn(gm) -> int, got "
+                                     f"{_kind(extra)}")
         for p in extra:
             if not callable(p):
-                raise FxFuseError(f"extra_passes entries must be callables fn(gm) -> int, got {p!r}")
+                raise FxFuseOptionsError(f"options['extra_passes'] entries must be callables fn(gm) -> int, got "
+                                         f"{_kind(p)}")
+
+        known = _pass_names()
         passes = ours.get("passes")
-        if passes is not None and not isinstance(passes, (dict, list, tuple)):
-            raise FxFuseError(f"options['passes'] must be a dict or a list of pass names, got {passes!r}")
+        if passes is not None:
+            passes = _check_passes(passes, known)
+
+        strict = _check_bool("strict", ours.get("strict", False))
+        env_verify = os.environ.get("FXFUSE_VERIFY", "0") not in ("", "0")
+        verify = _check_bool("verify", ours["verify"]) if ours.get("verify") is not None else env_verify
+
         compiler = ours.get("compiler", "inductor")
         if compiler not in COMPILERS:
-            raise FxFuseError(f"options['compiler'] must be one of {COMPILERS}, got {compiler!r}")
-        verify = ours.get("verify", os.environ.get("FXFUSE_VERIFY", "0") not in ("", "0"))
-        return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=bool(ours.get("strict", False)),
-                   debug_dir=ours.get("debug_dir"), pass_options=dict(ours.get("pass_options") or {}),
-                   verify=bool(verify), inductor=options)
+            raise FxFuseOptionsError(_join(f"options['compiler'] must be one of {', '.join(map(repr, COMPILERS))}, "
+                                           f"got {_kind(compiler)}", did_you_mean(compiler, COMPILERS)))
+
+        debug_dir = ours.get("debug_dir")
+        if debug_dir is not None:
+            if not isinstance(debug_dir, (str, os.PathLike)):
+                raise FxFuseOptionsError(f"options['debug_dir'] must be a path (str), got {_kind(debug_dir)}")
+            debug_dir = os.fspath(debug_dir)
+
+        pass_options = _check_pass_options(ours.get("pass_options"), known)
+        return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
+                   pass_options=pass_options, verify=verify, inductor=options)
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:
@@ -77,12 +165,89 @@ class FxFuseOptions:
         return name in self.passes
 
     def check_pass_names(self, known: Sequence[str]) -> None:
+        """Raise if ``passes`` names a pass not in ``known`` (``parse`` already checks against the registry)."""
         if self.passes is None:
             return
         names = list(self.passes.keys() if isinstance(self.passes, dict) else self.passes)
         bad = [n for n in names if n not in known]
         if bad:
-            raise FxFuseError(f"options['passes'] names unknown pass(es) {bad}; built-in passes: {sorted(known)}")
+            raise FxFuseOptionsError(_join(f"options['passes'] names unknown pass {bad[0]!r}",
+                                           did_you_mean(bad[0], known), f"known passes: {', '.join(known)}"))
+
+
+def _pass_names() -> Dict[str, Any]:
+    """Registered passes by name (their specs carry the declared options)."""
+    from . import registry
+
+    return {s.name: s for s in registry.registered_passes()}
+
+
+def _check_passes(passes: Any, known: Dict[str, Any]):
+    if isinstance(passes, str):
+        raise FxFuseOptionsError(f"options['passes'] must be a dict {{name: bool}} or a list of pass names, got the "
+                                 f"string {passes!r}; write [{passes!r}] to run only that pass")
+    if not isinstance(passes, (dict, list, tuple)):
+        raise FxFuseOptionsError(f"options['passes'] must be a dict {{name: bool}} or a list of pass names, got "
+                                 f"{_kind(passes)}")
+    for name in passes:
+        if name not in known:
+            raise FxFuseOptionsError(_join(f"options['passes'] names unknown pass {name!r}",
+                                           did_you_mean(name, known), f"known passes: {', '.join(known)}"))
+        if isinstance(passes, dict) and not isinstance(passes[name], bool):
+            raise FxFuseOptionsError(f"options['passes'][{name!r}] must be True or False, got {_kind(passes[name])}")
+    return dict(passes) if isinstance(passes, dict) else list(passes)
+
+
+def _check_pass_options(pass_options: Any, known: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    if pass_options is None:
+        return {}
+    if not isinstance(pass_options, dict):
+        raise FxFuseOptionsError(f"options['pass_options'] must be a dict {{pass name: {{option: value}}}}, got "
+                                 f"{_kind(pass_options)}")
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, given in pass_options.items():
+        where = f"pass_options[{name!r}]"
+        if name not in known:
+            raise FxFuseOptionsError(_join(f"{where}: unknown pass {name!r}", did_you_mean(name, known),
+                                           f"known passes: {', '.join(known)}"))
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise FxFuseOptionsError(f"{where} must be a dict {{option: value}}, got {_kind(given)}")
+        declared = known[name].options
+        checked = {}
+        for key, value in given.items():
+            if key not in declared:
+                listing = (f"{name}'s options: {', '.join(declared)}" if declared else f"{name} takes no options")
+                raise FxFuseOptionsError(_join(f"{where}: unknown option {key!r}", did_you_mean(key, declared),
+                                               listing))
+            if value is None:  # None = the pass's default
+                continue
+            spec = declared[key]
+            if spec.check(value) is not None:
+                hint = (did_you_mean(value, [str(c) for c in spec.choices]) if spec.choices and isinstance(value, str)
+                        else _size_hint(value) if spec.type is int else "")
+                doc = f" ({spec.doc})" if spec.doc and not spec.choices else ""
+                raise FxFuseOptionsError(_join(f"{where}[{key!r}] must be {spec.describe()}{doc}, got "
+                                               f"{_kind(value)}", hint))
+            checked[key] = value
+        out[name] = checked
+    return out
+
+
+_INDUCTOR_KEYS: Optional[List[str]] = None
+
+
+def _inductor_keys() -> List[str]:
+    global _INDUCTOR_KEYS
+    if _INDUCTOR_KEYS is None:
+        import torch._inductor.config as ic
+
+        try:
+            _INDUCTOR_KEYS = list(ic.get_config_copy())
+        except Exception:
+            _INDUCTOR_KEYS = []
+    return _INDUCTOR_KEYS
 
 
 def _is_inductor_key(key: str) -> bool:

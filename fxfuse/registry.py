@@ -10,14 +10,96 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
-from typing import Callable, Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import PassRegistrationError
 
-__all__ = ["PassSpec", "register_pass", "load_pass_package", "registered_passes", "get_pass"]
+__all__ = ["PassSpec", "PassOption", "register_pass", "load_pass_package", "registered_passes", "get_pass"]
+
+
+_OPTION_TYPES = (bool, int, float, str)
+
+
+@dataclass(frozen=True)
+class PassOption:
+    """One option a pass declares: what ``pass_options={"<pass>": {name: value}}`` may set.
+
+    Declared so that :meth:`fxfuse.options.FxFuseOptions.parse` can check every value when the options are given
+    (a typo or a wrong type is an error at ``fxfuse.compile`` / the first compile, not a silently ignored key or a
+    pass rolled back at compile time), and so that tools can list the options with their defaults.
+
+    ``type``: ``bool``, ``int``, ``float`` or ``str`` (bools must be real bools; an ``int`` option takes no bool or
+    float). ``choices``: the only allowed values. ``minimum``: lowest allowed number. ``default``: what the pass
+    uses when the option is not given (or given as ``None``). ``doc``: one line for error messages and listings.
+    """
+
+    type: type
+    default: Any = None
+    doc: str = ""
+    choices: Optional[Tuple[Any, ...]] = None
+    minimum: Optional[float] = None
+
+    @classmethod
+    def coerce(cls, pass_name: str, option: str, spec: Any) -> "PassOption":
+        """A :class:`PassOption` from what a ``register_pass(options=...)`` call gave: an instance, or a dict with
+        the same fields (``type`` may be left out when ``choices`` or ``default`` say it)."""
+        if isinstance(spec, PassOption):
+            opt = spec
+        elif isinstance(spec, Mapping):
+            unknown = set(spec) - {"type", "default", "doc", "choices", "minimum"}
+            if unknown:
+                raise PassRegistrationError(f"pass {pass_name!r} option {option!r}: unknown spec field(s) "
+                                            f"{sorted(unknown)}; use type / choices / minimum / default / doc")
+            choices = tuple(spec["choices"]) if spec.get("choices") is not None else None
+            typ = spec.get("type")
+            if typ is None:
+                sample = choices[0] if choices else spec.get("default")
+                typ = type(sample) if sample is not None else None
+            opt = cls(typ, spec.get("default"), spec.get("doc", ""), choices, spec.get("minimum"))
+        else:
+            raise PassRegistrationError(f"pass {pass_name!r} option {option!r}: expected a PassOption or a dict "
+                                        f"(type / choices / minimum / default / doc), got {spec!r}")
+        if not option.isidentifier():
+            raise PassRegistrationError(f"pass {pass_name!r}: option name {option!r} must be a Python identifier")
+        if opt.type not in _OPTION_TYPES:
+            raise PassRegistrationError(f"pass {pass_name!r} option {option!r}: type must be one of "
+                                        f"{[t.__name__ for t in _OPTION_TYPES]}, got {opt.type!r}")
+        if opt.default is not None and opt.check(opt.default) is not None:
+            raise PassRegistrationError(f"pass {pass_name!r} option {option!r}: its default {opt.default!r} is "
+                                        f"not a valid value ({opt.check(opt.default)})")
+        return opt
+
+    def describe(self) -> str:
+        """What a valid value is, in a few words (for error messages)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.type is bool:
+            return "True or False"
+        kind = {int: "an int", float: "a number", str: "a string"}[self.type]
+        if self.minimum is not None:
+            kind += f" >= {self.minimum:g}"
+        return kind
+
+    def check(self, value: Any) -> Optional[str]:
+        """None if ``value`` is valid, else a short description of what is wrong with it."""
+        if self.choices is not None:
+            return None if any(value == c and type(value) is type(c) for c in self.choices) else "not a choice"
+        if self.type is bool:
+            return None if isinstance(value, bool) else "not a bool"
+        if self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                return "not an int"
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                return "not a number"
+        elif not isinstance(value, self.type):
+            return f"not a {self.type.__name__}"
+        if self.minimum is not None and value < self.minimum:
+            return "too small"
+        return None
 
 
 @dataclass(frozen=True)
@@ -35,6 +117,8 @@ class PassSpec:
     module: str
     enabled_by_default: bool = True
     builtin: bool = True
+    #: the options this pass reads (``pass_options={name: {option: value}}``), checked when options are parsed
+    options: Mapping[str, PassOption] = field(default_factory=dict, hash=False, compare=False)
 
 
 _REGISTRY: Dict[str, PassSpec] = {}
@@ -42,11 +126,19 @@ _MODULE_OF_PASS: Dict[str, str] = {}
 _LOADED_PACKAGES: Dict[str, List[PassSpec]] = {}
 
 
-def register_pass(name: str, *, order: int, description: str, enabled_by_default: bool = True):
-    """Decorator: register ``fn(gm: GraphModule, ctx: PassContext) -> int`` as a built-in pass called ``name``."""
+def register_pass(name: str, *, order: int, description: str, enabled_by_default: bool = True,
+                  options: Optional[Mapping[str, Any]] = None):
+    """Decorator: register ``fn(gm: GraphModule, ctx: PassContext) -> int`` as a built-in pass called ``name``.
+
+    ``options`` declares every pass option the pass reads, ``{option name: spec}``, the spec a :class:`PassOption`
+    or a dict of its fields, e.g. ``{"max_group": {"type": int, "minimum": 2, "default": 8, "doc": "..."}}``.
+    Only declared options can be set through ``pass_options``; their values are checked when the options are
+    parsed, and ``ctx.pass_option(name)`` falls back to the declared default.
+    """
 
     if not name or not name.isidentifier():
         raise PassRegistrationError(f"pass name {name!r} must be a Python identifier")
+    declared = {k: PassOption.coerce(name, k, v) for k, v in (options or {}).items()}
 
     def deco(fn: Callable) -> Callable:
         module = getattr(fn, "__module__", "?")
@@ -54,7 +146,7 @@ def register_pass(name: str, *, order: int, description: str, enabled_by_default
             raise PassRegistrationError(
                 f"two passes are named {name!r}: one in {_MODULE_OF_PASS[name]}, one in {module}"
             )
-        _REGISTRY[name] = PassSpec(name, fn, order, description, module, enabled_by_default)
+        _REGISTRY[name] = PassSpec(name, fn, order, description, module, enabled_by_default, options=declared)
         _MODULE_OF_PASS[name] = module
         return fn
 

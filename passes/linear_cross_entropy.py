@@ -228,7 +228,12 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
     return True
 
 
-@register_pass(name=NAME, order=100, description="lm-head projection + cross-entropy -> fxfuse::linear_cross_entropy")
+@register_pass(name=NAME, order=100, description="lm-head projection + cross-entropy -> fxfuse::linear_cross_entropy",
+               options={"logits": {"choices": ("lazy", "materialize"), "default": "lazy",
+                                   "doc": "logits the graph returns: 'lazy' (computed only if read) or "
+                                          "'materialize' (real tensors)"},
+                        "chunk_bytes": {"type": int, "minimum": 0, "default": 0,
+                                        "doc": "logits-chunk budget in bytes, 0 = the op's default of 256 MiB"}})
 def linear_cross_entropy_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     for mod in ctx.graph_modules(gm):

@@ -263,7 +263,9 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
 
 
 @register_pass(name=NAME, order=110,
-               description="lm-head projection -> log_softmax -> gather (+ entropy) -> fxfuse::linear_log_probs")
+               description="lm-head projection -> log_softmax -> gather (+ entropy) -> fxfuse::linear_log_probs",
+               options={"chunk_bytes": {"type": int, "minimum": 0, "default": 0,
+                                        "doc": "logits-chunk budget in bytes, 0 = the op's default of 256 MiB"}})
 def linear_log_probs_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     for mod in ctx.graph_modules(gm):

@@ -120,7 +120,9 @@ def _rewrite(g: fx.Graph, group: List[fx.Node]) -> fx.Node:
 
 @register_pass(name=NAME, order=35,
                description="sibling fxfuse::lora_linear nodes reading the same x (q/k/v, gate/up) -> "
-                           "fxfuse::lora_linear_group (one read of x for their dropout kernels, one grad-x buffer)")
+                           "fxfuse::lora_linear_group (one read of x for their dropout kernels, one grad-x buffer)",
+               options={"max_group": {"type": int, "minimum": 2, "default": 8,
+                                      "doc": "most sibling projections fused into one group"}})
 def lora_horizontal_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     max_group = ctx.int_option("max_group", 8, 2, "projections per group")

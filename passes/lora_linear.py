@@ -194,7 +194,10 @@ def _rewrite(g: fx.Graph, site: _Site) -> fx.Node:
 
 @register_pass(name=NAME, order=30,
                description="PEFT LoRA: linear(x, W) + linear(linear(dropout(x), A), B) * s (per adapter) -> "
-                           "fxfuse::lora_linear (no stored dropout(x))")
+                           "fxfuse::lora_linear (no stored dropout(x))",
+               options={"mixed_dtype": {"choices": ("base", "skip"), "default": "base",
+                                        "doc": "adapters wider than the base layer: 'base' computes them in the "
+                                               "base dtype, 'skip' leaves such layers to Inductor"}})
 def lora_linear_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     for mod in ctx.graph_modules(gm):

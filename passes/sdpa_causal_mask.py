@@ -136,7 +136,10 @@ def _is_causal(m: torch.Tensor, sq: int, skv: int) -> Tuple[bool, str]:
 
 
 @register_pass(name=NAME, order=45,
-               description="scaled_dot_product_attention with a constant causal mask tensor -> is_causal=True")
+               description="scaled_dot_product_attention with a constant causal mask tensor -> is_causal=True",
+               options={"max_mask_elements": {"type": int, "minimum": 1, "default": 2 ** 28,
+                                              "doc": "largest mask (elements) the pass evaluates to prove it "
+                                                     "causal"}})
 def sdpa_causal_mask_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     limit = ctx.int_option("max_mask_elements", 2 ** 28, 1, "largest mask this pass evaluates")

@@ -1,0 +1,75 @@
+"""``fxfuse.compile``: ``torch.compile(model, backend="fxfuse", ...)`` with the options checked at the call.
+
+Why a wrapper: ``torch.compile`` hands ``options`` to the backend only at the first forward, inside Dynamo, so a
+misspelt option would surface in the middle of the first training step (and wrapped in Dynamo's errors). Here
+they are checked by :meth:`fxfuse.options.FxFuseOptions.parse` before anything is compiled, and fxfuse's own
+options can be given as keyword arguments.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Union
+
+import torch
+
+from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean
+
+__all__ = ["compile"]
+
+_TORCH_COMPILE_KWARGS = ("mode", "dynamic", "fullgraph", "options", "disable")
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _known_modes():
+    try:
+        return tuple(torch._inductor.list_mode_options())
+    except Exception:
+        return _MODES
+
+
+def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dynamic: Optional[bool] = None,
+            fullgraph: bool = False, options: Optional[Dict[str, Any]] = None, disable: bool = False,
+            **fxfuse_options: Any) -> Union[Callable, Callable[[Callable], Callable]]:
+    """``torch.compile(model, backend="fxfuse", mode=..., dynamic=..., fullgraph=..., options=...)``, with every
+    option checked now (an :class:`fxfuse.FxFuseError` here, not at the first forward).
+
+    fxfuse's own options (``passes``, ``pass_options``, ``strict``, ``verify``, ``extra_passes``, ``debug_dir``,
+    ``compiler``) may be keyword arguments, merged into ``options``::
+
+        model = fxfuse.compile(model, strict=True, pass_options={"linear_cross_entropy": {"chunk_bytes": 1 << 30}})
+
+    ``mode`` together with options (which ``torch.compile`` refuses) is turned into the Inductor settings the
+    mode stands for, as the backend would apply them. Without ``model`` it returns a decorator, like
+    ``torch.compile``.
+    """
+    if "backend" in fxfuse_options:
+        raise FxFuseOptionsError("fxfuse.compile() always compiles with backend='fxfuse'; for another backend call "
+                                 "torch.compile")
+    unknown = [k for k in fxfuse_options if k not in FXFUSE_KEYS]
+    if unknown:
+        k = unknown[0]
+        hint = did_you_mean(k, list(FXFUSE_KEYS) + list(_TORCH_COMPILE_KWARGS))
+        raise FxFuseOptionsError(f"fxfuse.compile() got an unknown keyword {k!r}" + (f"; {hint}" if hint else "")
+                                 + f" (fxfuse's options: {', '.join(FXFUSE_KEYS)}; Inductor settings go in "
+                                   f"options={{...}})")
+    if options is not None and not isinstance(options, dict):
+        raise FxFuseOptionsError(f"fxfuse.compile(options=...) must be a dict, got {options!r}")
+    both = sorted(set(options or {}) & set(fxfuse_options))
+    if both:
+        raise FxFuseOptionsError(f"fxfuse.compile(): {both[0]!r} given twice (in options and as a keyword)")
+    merged = {**(options or {}), **fxfuse_options}
+    FxFuseOptions.parse(merged)
+    if mode is not None:
+        modes = _known_modes()
+        if mode not in modes:
+            hint = did_you_mean(mode, modes)
+            raise FxFuseOptionsError(f"fxfuse.compile(): unknown mode {mode!r}" + (f"; {hint}" if hint else "")
+                                     + f" (modes: {', '.join(modes)})")
+        if merged:  # torch.compile takes mode or options: spell the mode out as the options it stands for
+            merged = {**torch._inductor.list_mode_options(mode), **merged}
+            FxFuseOptions.parse(merged)
+            mode = None
+    kwargs = dict(backend="fxfuse", mode=mode, options=merged or None, dynamic=dynamic, fullgraph=fullgraph,
+                  disable=disable)
+    if model is None:
+        return lambda fn: torch.compile(fn, **kwargs)
+    return torch.compile(model, **kwargs)

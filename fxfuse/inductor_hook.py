@@ -1,0 +1,323 @@
+"""Run fxfuse's passes from inside Inductor, for code that compiles with ``backend="inductor"`` and cannot be told
+otherwise.
+
+HF ``TrainingArguments(torch_compile=True)`` makes accelerate call ``torch.compile(model, backend="inductor")``,
+and ``torch_compile_backend="fxfuse"`` is refused by accelerate's closed list of backend names. Inductor has one
+documented extension point that sees the same graph fxfuse's backend sees (the Dynamo graph, torch IR, before
+autograd): ``torch._inductor.config.pre_grad_custom_pass``. :func:`install` puts a
+:class:`~torch._inductor.custom_graph_pass.CustomGraphPass` there that runs the backend's own pipeline
+(``fxfuse.backend._run_passes``: every enabled pass, validated, rolled back on its own) and publishes the fusion
+report as usual (``fxfuse.report()`` / ``fxfuse.reports()``)::
+
+    import fxfuse
+    fxfuse.install()                      # or: with fxfuse.install(strict=True): ...
+    trainer = Trainer(model, TrainingArguments(torch_compile=True, ...), ...)
+    trainer.train()
+    print(fxfuse.reports())
+    fxfuse.uninstall()
+
+Differences from ``torch.compile(model, backend="fxfuse")``:
+
+* A graph can only be rewritten in place from inside Inductor: outputs cannot be substituted around the
+  compiled function. So logits the model returns are always real tensors (``linear_cross_entropy``'s
+  ``logits="materialize"``, forced for every pass that declares a ``logits`` option; ``linear_log_probs`` never
+  substitutes outputs): the loss is still fused, but the lm-head projection also runs once for the returned logits.
+* Only fxfuse's own options apply (Inductor's settings belong to whoever calls ``torch.compile``; ``compiler`` is
+  Inductor by construction).
+* With Inductor's FX-graph / AOTAutograd caches on, a cache hit skips pre-grad passes (the cached code already
+  has the fusions): such a graph gets no new report. The pass's ``uuid()`` is fxfuse's source hash plus its
+  options, so an edit of fxfuse or other options is a cache miss.
+* Graphs are recognised by the markers Dynamo puts on the module it hands to a backend; graphs split by Dynamo's
+  DDP optimizer lack them and are left alone (compile with ``backend="fxfuse"`` there).
+
+The pass composes with a ``pre_grad_custom_pass`` the user set before: both run (theirs first), and
+:func:`uninstall` puts theirs back. A torch without this hook is refused with an :class:`FxFuseError`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+from .errors import FxFuseError
+from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean
+
+log = logging.getLogger("fxfuse")
+
+__all__ = ["install", "uninstall", "installed", "Installation"]
+
+_NOT_IN_INSTALLED_MODE = ("compiler",)
+
+
+def _hook_support() -> Optional[str]:
+    """None if this torch can run fxfuse from Inductor's pre-grad hook, else why not."""
+    import torch._inductor.config as ic
+
+    if not hasattr(ic, "pre_grad_custom_pass"):
+        return f"torch {torch.__version__} has no torch._inductor.config.pre_grad_custom_pass"
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch._inductor.custom_graph_pass.CustomGraphPass"
+    if not getattr(ic, "use_pre_grad_passes", True):
+        return "Inductor's pre-grad passes are off (torch._inductor.config.use_pre_grad_passes = False)"
+    return None
+
+
+def _installed_options(options: Dict[str, Any]) -> FxFuseOptions:
+    """Checked options for installed mode: fxfuse's keys only, and materialised logits for every pass that can
+    return lazy ones (an output substitution cannot be applied from inside Inductor)."""
+    from . import registry
+
+    for key in options:
+        if key in _NOT_IN_INSTALLED_MODE:
+            raise FxFuseOptionsError(f"fxfuse.install(): {key!r} does not apply (Inductor compiles the graph)")
+        if key not in FXFUSE_KEYS:
+            hint = did_you_mean(key, FXFUSE_KEYS)
+            raise FxFuseOptionsError(
+                f"fxfuse.install(): unknown option {key!r}" + (f"; {hint}" if hint else "")
+                + f"; it takes fxfuse's options ({', '.join(k for k in FXFUSE_KEYS if k not in _NOT_IN_INSTALLED_MODE)})"
+                  f"; Inductor's settings are set on torch._inductor.config or by whoever calls torch.compile")
+    opts = FxFuseOptions.parse(options)
+    for spec in registry.registered_passes():
+        logits = spec.options.get("logits")
+        if logits is None or not logits.choices or "materialize" not in logits.choices:
+            continue
+        given = opts.pass_options.get(spec.name, {}).get("logits")
+        if given not in (None, "materialize"):
+            raise FxFuseOptionsError(
+                f"fxfuse.install(): pass_options[{spec.name!r}]['logits'] = {given!r} is not possible from inside "
+                f"Inductor (returned logits are always materialised there); use torch.compile(model, "
+                f"backend='fxfuse') for lazy logits")
+        opts.pass_options.setdefault(spec.name, {})["logits"] = "materialize"
+    return opts
+
+
+def _callable_fingerprint(fn: Any) -> Optional[str]:
+    """A stable description of a user pass's code (for the cache key), or None if it cannot be told."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is None:
+        return None
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_consts).encode())
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}:{h.hexdigest()}"
+
+
+def _is_dynamo_graph(gm: Any) -> bool:
+    """Whether ``gm`` is the module Dynamo handed to the backend (not an activation-checkpoint or other
+    higher-order-op body, which Inductor's pre-grad passes visit separately first; fxfuse's passes recurse into
+    those bodies from the root)."""
+    return isinstance(gm, torch.fx.GraphModule) and (
+        hasattr(gm, "compile_subgraph_reason") or "dynamo_compile_id" in getattr(gm, "meta", {}))
+
+
+def _make_pass_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class FxFusePreGradPass(CustomGraphPass):
+        """fxfuse's passes as an Inductor pre-grad custom pass (see :mod:`fxfuse.inductor_hook`)."""
+
+        def __init__(self, options: Dict[str, Any], opts: FxFuseOptions, previous: Any = None):
+            self.options = dict(options)
+            self.opts = opts
+            self.previous = previous  # a user pass set before install() on a torch without pass lists: run first
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            if self.previous is not None:
+                self.previous(graph)
+            gm = graph.owning_module
+            if not _is_dynamo_graph(gm):
+                return
+            from .backend import PASSES_RAN
+
+            if gm.meta.get(PASSES_RAN):  # compiled through backend="fxfuse": its passes already ran
+                return
+            run_passes_in_inductor(gm, self.opts)
+
+        def uuid(self) -> Any:
+            from .backend import source_hash
+
+            extra = [_callable_fingerprint(fn) for fn in self.opts.extra_passes]
+            if any(e is None for e in extra):
+                return None  # a user pass whose code cannot be fingerprinted: no caching
+            prev = None
+            if self.previous is not None:
+                prev = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
+                if prev is None:
+                    return None
+            opts = self.opts
+            return ("fxfuse-pre-grad", source_hash(), repr(opts.passes), repr(sorted(
+                (k, sorted(v.items())) for k, v in opts.pass_options.items())), opts.strict, opts.verify,
+                opts.debug_dir, tuple(extra), prev)
+
+    return FxFusePreGradPass
+
+
+_PASS_CLASS = None
+
+
+def _pass_class():
+    global _PASS_CLASS
+    if _PASS_CLASS is None:
+        _PASS_CLASS = _make_pass_class()
+    return _PASS_CLASS
+
+
+def run_passes_in_inductor(gm: torch.fx.GraphModule, opts: FxFuseOptions) -> None:
+    """fxfuse's pipeline on the Dynamo graph Inductor is about to lower: every enabled pass, validated and rolled
+    back on its own, and the report published, like the backend does; example inputs are the placeholders' fake
+    values and the fake mode is the compile's."""
+    from torch._guards import TracingContext
+
+    from . import registry
+    from .backend import (PASSES_RAN, _DEFAULT_DEBUG_DIR, _dump, _graph_name, _run_passes)
+    from .report import FUSED, ROLLED_BACK, FusionReport, SiteRecord, _publish
+    from .validation import GraphSnapshot
+
+    specs = [s for s in registry.registered_passes() if opts.enabled(s.name, s.enabled_by_default)]
+    specs += [registry.user_pass_spec(fn, i) for i, fn in enumerate(opts.extra_passes)]
+    gm.meta[PASSES_RAN] = True
+    if not specs:
+        return
+    tc = TracingContext.try_get()
+    fake_mode = tc.fake_mode if tc is not None else None
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    example_inputs = [n.meta.get("example_value", n.meta.get("val")) for n in phs]
+    rep = FusionReport(graph_name=_graph_name(), num_nodes=len(gm.graph.nodes))
+    debug_dir = opts.debug_dir or _DEFAULT_DEBUG_DIR
+    tag = rep.graph_name.replace(" ", "_").replace("/", "_")
+    if debug_dir:
+        _dump(debug_dir, f"{tag}.0_dynamo.py", gm)
+    pristine = GraphSnapshot(gm)
+    subs = _run_passes(gm, example_inputs, specs, opts, rep, fake_mode)
+    if subs:  # installed options never ask for one; a pass that does anyway must not change what callers get
+        pristine.restore()
+        problem = (f"pass {subs[0].pass_name} substituted a graph output, which cannot be done from inside "
+                   f"Inductor")
+        for r in rep.records:
+            if r.status == FUSED:
+                r.status, r.reason = ROLLED_BACK, "undone with the whole graph: " + problem
+        rep.records.append(SiteRecord("<fxfuse>", ROLLED_BACK, "every pass", problem, "<fxfuse.install>"))
+        if opts.strict:
+            from .errors import raised_through_dynamo
+
+            raise raised_through_dynamo(FxFuseError(f"fxfuse left this graph unfused: {problem}"))
+        log.warning("fxfuse left this graph unfused: %s", problem)
+    _publish(rep)
+    if debug_dir:
+        _dump(debug_dir, f"{tag}.1_after_fxfuse.py", gm)
+        with open(os.path.join(debug_dir, f"{tag}.report.txt"), "w") as f:
+            f.write(str(rep) + "\n")
+
+
+class Installation:
+    """What :func:`install` returns: :meth:`uninstall` it, or use it as a context manager (uninstalled on exit)."""
+
+    def __init__(self, hook: Any):
+        self.hook = hook
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return dict(self.hook.options)
+
+    def uninstall(self) -> bool:
+        return uninstall()
+
+    def __enter__(self) -> "Installation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        uninstall()
+
+    def __repr__(self) -> str:
+        return f"<fxfuse installed in Inductor, options {self.hook.options}>"
+
+
+_INSTALLED: Optional[Any] = None  # our pass object while installed
+_PREVIOUS: Any = None  # what config.pre_grad_custom_pass held before install()
+
+
+def _supports_pass_lists() -> bool:
+    import torch._inductor.custom_graph_pass as cgp
+
+    return hasattr(cgp, "get_custom_graph_passes")
+
+
+def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> Installation:
+    """Make Inductor (``torch.compile(..., backend="inductor")``, the default) run fxfuse's passes on every graph
+    it compiles from now on, until :func:`uninstall`.
+
+    ``options`` / keyword arguments: fxfuse's own options (``passes``, ``pass_options``, ``strict``, ``verify``,
+    ``extra_passes``, ``debug_dir``), checked now. Calling it again replaces the options. A pass the user set in
+    ``torch._inductor.config.pre_grad_custom_pass`` keeps running, before fxfuse's. Raises :class:`FxFuseError`
+    where this torch has no such hook. Returns an :class:`Installation` (also a context manager).
+    """
+    global _INSTALLED, _PREVIOUS
+    import torch._inductor.config as ic
+
+    why = _hook_support()
+    if why:
+        raise FxFuseError(f"fxfuse.install() is not possible here: {why}; compile with torch.compile(model, "
+                          f"backend='fxfuse') instead")
+    if options is not None and not isinstance(options, dict):
+        raise FxFuseOptionsError(f"fxfuse.install(options=...) must be a dict, got {options!r}")
+    both = sorted(set(options or {}) & set(fxfuse_options))
+    if both:
+        raise FxFuseOptionsError(f"fxfuse.install(): {both[0]!r} given twice (in options and as a keyword)")
+    merged = {**(options or {}), **fxfuse_options}
+    opts = _installed_options(merged)
+    cls = _pass_class()
+    current = ic.pre_grad_custom_pass
+    if _INSTALLED is not None and _contains(current, _INSTALLED):
+        _INSTALLED.options, _INSTALLED.opts = merged, opts  # re-install: new options, same place
+        return Installation(_INSTALLED)
+    if current is not None and _supports_pass_lists():
+        hook = cls(merged, opts)
+        ic.pre_grad_custom_pass = [*current, hook] if isinstance(current, (list, tuple)) else [current, hook]
+    else:
+        hook = cls(merged, opts, previous=current)  # runs the user's pass first itself
+        ic.pre_grad_custom_pass = hook
+    _INSTALLED, _PREVIOUS = hook, current
+    return Installation(hook)
+
+
+def _contains(config_value: Any, hook: Any) -> bool:
+    if isinstance(config_value, (list, tuple)):
+        return any(p is hook for p in config_value)
+    return config_value is hook
+
+
+def installed() -> bool:
+    """Whether fxfuse's pass is in ``torch._inductor.config.pre_grad_custom_pass`` now."""
+    import torch._inductor.config as ic
+
+    return _INSTALLED is not None and _contains(ic.pre_grad_custom_pass, _INSTALLED)
+
+
+def uninstall() -> bool:
+    """Take fxfuse's pass out of Inductor's pre-grad hook; a pass the user had set there before :func:`install`
+    stays (as it was). Returns whether anything was removed."""
+    global _INSTALLED, _PREVIOUS
+    import torch._inductor.config as ic
+
+    hook, previous = _INSTALLED, _PREVIOUS
+    _INSTALLED = _PREVIOUS = None
+    if hook is None:
+        return False
+    current = ic.pre_grad_custom_pass
+    if current is hook:
+        ic.pre_grad_custom_pass = hook.previous
+        return True
+    if isinstance(current, (list, tuple)) and any(p is hook for p in current):
+        rest = [p for p in current if p is not hook]
+        if previous is not None and not isinstance(previous, (list, tuple)) and rest == [previous]:
+            ic.pre_grad_custom_pass = previous  # exactly what the user had
+        else:
+            ic.pre_grad_custom_pass = type(current)(rest) if rest else None
+        return True
+    log.warning("fxfuse.uninstall(): torch._inductor.config.pre_grad_custom_pass was changed since "
+                "fxfuse.install() and no longer holds fxfuse's pass; left as it is")
+    return False
