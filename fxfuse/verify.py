@@ -65,9 +65,15 @@ class Reference:
 
 
 def _fresh_inputs(ref: Reference):
+    from .graph_utils import size_hint
+
     out = []
     for i, x in enumerate(ref.inputs):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            # Dynamo hands symbolic sizes over as SymInts; running the graph on them would guard (specialise the
+            # graph to this length). Their example values are what the real tensors have.
+            out.append(size_hint(x) if isinstance(x, torch.SymInt) else x.node.hint)
+        elif isinstance(x, torch.Tensor):
             y = x.detach()
             if not isinstance(x, torch.nn.Parameter):
                 y = y.clone()
