@@ -6,11 +6,13 @@
 
     model = torch.compile(model, backend="fxfuse")     # the same, options checked at the first forward
 
+    model = fxfuse.compile_regions(model)              # block by block (FSDP2, torchtitan style), hooks eager
+
     fxfuse.install()                                   # code that compiles with Inductor itself (HF Trainer's
     ...                                                #   TrainingArguments(torch_compile=True)) runs fxfuse too
     fxfuse.uninstall()
 
-Public API: :func:`compile`, :func:`install` / :func:`uninstall`, :func:`report`, :func:`reports`,
+Public API: :func:`compile`, :func:`compile_regions`, :func:`install` / :func:`uninstall`, :func:`report`, :func:`reports`,
 :func:`clear_reports`, :func:`debug`, :mod:`fxfuse.ops` (fused ops callable directly), the error classes, and
 :func:`register_pass` for pass authors. ``python -m fxfuse --help`` lists the command-line tools (demo, report,
 doctor).
@@ -27,7 +29,7 @@ from .report import FusionReport, SiteRecord, clear_reports, report, reports
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
+    "compile", "compile_regions", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
     "registered_passes", "PassOption", "FusionReport", "SiteRecord", "FxFuseError", "FxFuseContractError",
     "FxFusePassError", "FxFuseValidationError", "FxFuseOptionsError", "PassRegistrationError", "__version__",
 ]
@@ -84,6 +86,7 @@ passes = _passes
 
 from .api import compile  # noqa: E402  (shadows the builtin inside this package only as fxfuse.compile)
 from .inductor_hook import install, uninstall  # noqa: E402
+from .regions import compile_regions, undo_compile_regions  # noqa: E402
 
 
 def _register_backend_without_entry_point() -> None:
