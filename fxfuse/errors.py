@@ -7,8 +7,10 @@ involved and, where it can be told, the user's source line, because the stack a 
 from __future__ import annotations
 
 import os
+import re
+import sys
 import traceback
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -21,6 +23,8 @@ __all__ = [
     "PassRegistrationError",
     "user_source_line",
     "node_location",
+    "module_path",
+    "user_module_path",
     "raised_through_dynamo",
 ]
 
@@ -116,8 +120,70 @@ def user_source_line() -> Optional[str]:
     return None
 
 
+_ROOT = re.compile(r"""^(?:L|G)\[(['"])(\w+)\1\]""")
+_MODULES_DICT = re.compile(r"""\.__dict__\[(['"])_modules\1\]|\._modules(?=\[)""")
+_ITEM = re.compile(r"""\[(['"])([^'"]+)\1\]|\[(\d+)\]""")
+_GETATTR = re.compile(r"""getattr\(([^,()]+),\s*(['"])(\w+)\2\)""")
+
+
+def module_path(dynamo_path: str) -> str:
+    """A module path as Dynamo records it in ``nn_module_stack``, written the way the user writes it.
+
+    ``L['self'].__dict__['_modules']['model'].layers[0]`` -> ``model.layers.0``: the compiled module itself
+    (``L['self']``) is dropped, a module argument keeps its name (``L['model']`` -> ``model``), Dynamo's
+    ``__dict__['_modules']`` lookups and ``['x']`` / ``[0]`` indexing become attribute steps.
+    """
+    p = dynamo_path.strip()
+    while True:  # getattr(getattr(L['self'], 'a'), 'b') -> L['self'].a.b (innermost first)
+        q = _GETATTR.sub(lambda m: f"{m.group(1)}.{m.group(3)}", p)
+        if q == p:
+            break
+        p = q
+    m = _ROOT.match(p)
+    if m:
+        p = ("" if m.group(2) == "self" else m.group(2)) + p[m.end():]
+    p = _MODULES_DICT.sub("", p)
+    p = _ITEM.sub(lambda m: "." + (m.group(2) if m.group(2) is not None else m.group(3)), p)
+    return p.strip(".")
+
+
+def _is_peft_class(cls: Any) -> bool:
+    return str(getattr(cls, "__module__", "") or cls).startswith("peft.")
+
+
+def _class_name(cls: Any) -> str:
+    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
+    mod = str(getattr(cls, "__module__", "") or "")
+    if mod.startswith("peft.tuners."):  # peft.tuners.lora.layer.Linear -> lora.Linear (not nn.Linear)
+        return f"{mod.split('.')[2]}.{name}"
+    return name
+
+
+def user_module_path(nn_module_stack: Dict[str, Any]) -> Tuple[str, Any]:
+    """The innermost module of a node's ``nn_module_stack`` as ``(path the user writes, class)``.
+
+    Besides :func:`module_path`, PEFT's wrappers are taken off where the stack shows they are PEFT's: the
+    ``base_model.model.`` prefix of a ``PeftModel`` (when peft is loaded; its outer modules are not always in the
+    stack) and the ``.base_layer`` a LoRA layer wraps the original linear in. A LoRA'd ``q_proj`` then reads
+    ``model.layers.0.self_attn.q_proj``, as in the model the user loaded.
+    """
+    entries = [(module_path(str(v[0])), v[1]) for v in nn_module_stack.values()
+               if isinstance(v, (tuple, list)) and len(v) == 2]
+    if not entries:
+        return "", None
+    path, cls = entries[-1]
+    if path.endswith(".base_layer") and len(entries) > 1 and _is_peft_class(entries[-2][1]) \
+            and entries[-2][0] == path[:-len(".base_layer")]:
+        path, cls = entries[-2]
+    peft_in_use = "peft" in sys.modules or any(_is_peft_class(c) for _, c in entries)
+    if peft_in_use and (path + ".").startswith("base_model.model."):
+        path = path[len("base_model.model."):]
+    return path, cls
+
+
 def node_location(node: Any) -> str:
-    """Where an FX node came from in the user's code: last stack-trace frame and the module path."""
+    """Where an FX node came from in the user's code: last stack-trace frame and the module path (as the user
+    writes it, see :func:`user_module_path`)."""
     meta = getattr(node, "meta", {}) or {}
     parts = []
     st = meta.get("stack_trace")
@@ -132,7 +198,9 @@ def node_location(node: Any) -> str:
                 break
     stack = meta.get("nn_module_stack")
     if stack:
-        path, cls = list(stack.values())[-1]
-        cls_name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
-        parts.append(f"module {path} ({cls_name})")
+        try:
+            path, cls = user_module_path(stack)
+        except Exception:  # a location is a diagnostic: never let it break a report
+            path, cls = str(list(stack.values())[-1][0]), list(stack.values())[-1][1]
+        parts.append(f"module {path or '<the compiled module>'} ({_class_name(cls)})")
     return "; ".join(parts) if parts else "<no source information>"
