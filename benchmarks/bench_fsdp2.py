@@ -1,0 +1,109 @@
+"""FSDP2 training step, whole-model vs regional compilation, fxfuse beside Inductor (the shape and method of the
+anchor probe ``fsdp2_probe.py``: Llama-3.2-1B shape full fine-tune, fp32 master weights with bf16 params / fp32
+reduce, ``fully_shard`` per layer and root, 2x2048 tokens per GPU, AdamW).
+
+Impl (argv[1]):
+  inductor           torch.compile(model)                                   whole model, Inductor
+  inductor-regional  torch.compile(layer.forward) per decoder layer          regional, Inductor (torchtitan style)
+  fxfuse             torch.compile(model, backend="fxfuse")                 whole model
+  fxfuse-regions     fxfuse.compile_regions(model)                          blocks + root code, hooks eager
+  eager
+
+Run on one GPU (the issue's measurement) or several, from the repository root:
+  for i in inductor inductor-regional fxfuse fxfuse-regions; do
+      PYTHONPATH=. torchrun --nproc_per_node 1 benchmarks/bench_fsdp2.py $i; done
+Rank 0 appends a row (tokens/s per GPU, peak, first-step time, losses, graphs, fused sites) to $OUT/fsdp2.jsonl.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(impl):
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import fxfuse
+
+    small = dev.type == "cpu"
+    cfg = (LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512) if small else
+           LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                       tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").to(dev)
+    if impl == "inductor-regional":  # compile before sharding, per layer: hooks outside the compiled region
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if not small else None
+    kw = dict(mp_policy=mp) if mp else {}
+    for layer in model.model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    fwd = model
+    if impl == "inductor":
+        fwd = torch.compile(model)
+    elif impl == "fxfuse":
+        fwd = torch.compile(model, backend="fxfuse")
+    elif impl == "fxfuse-regions":
+        fwd = fxfuse.compile_regions(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    B, S = (2, 64) if small else (2, 2048)
+    g = torch.Generator(device=dev).manual_seed(100 + rank)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev, generator=g)
+
+    def step():
+        out = fwd(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    l0 = step().item()
+    first = time.perf_counter() - t0
+    for _ in range(2):
+        step()
+    sync()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    n = 8 if not small else 2
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    loss = loss.item()
+    dt = (time.perf_counter() - t0) / n
+    row = dict(impl=impl, gpus=dist.get_world_size(), device=torch.cuda.get_device_name() if dev.type == "cuda" else
+               "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
+               first_step_s=round(first, 1), loss0=round(l0, 4), loss_last=round(loss, 4))
+    if impl.startswith("fxfuse"):
+        fused = {}
+        for r in fxfuse.reports():
+            for rec in r.fused:
+                fused[rec.pass_name] = fused.get(rec.pass_name, 0) + 1
+        row.update(fused=fused, graphs=len(fxfuse.reports()),
+                   rolled_back=[f"{r.graph_name}: {x.pass_name}: {x.reason[:100]}" for r in fxfuse.reports()
+                                for x in r.rolled_back])
+    if rank == 0:
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), "fsdp2.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "fxfuse-regions")
