@@ -114,17 +114,18 @@ def test_mixed_dtype_skip_option():
     assert any("mixed_dtype='skip'" in s.reason for s in _skips())
 
 
-def test_bad_pass_options_roll_back_with_reason():
+def test_bad_pass_options_are_refused_before_any_pass_runs():
+    """The LoRA passes declare their options: a bad value is an options error (with a suggestion), not a
+    rolled-back pass."""
     import fxfuse
 
     model = _peft_model(targets=["q_proj", "k_proj"])
     ids = torch.randint(0, 128, (2, 8))
-    for opts, needle in (({"lora_linear": {"mixed_dtype": "skp"}}, "must be one of ('base', 'skip')"),
-                         ({"lora_horizontal": {"max_group": 1}}, "'max_group'] must be an int >= 2")):
+    for opts, needle in (({"lora_linear": {"mixed_dtype": "skp"}}, "must be one of 'base', 'skip'.*did you mean 'skip'"),
+                         ({"lora_horizontal": {"max_group": 1}}, r"'max_group'\] must be an int >= 2")):
         torch._dynamo.reset()
-        torch.compile(model, backend="fxfuse", options={**AOT, "pass_options": opts})(input_ids=ids)
-        rep = fxfuse.report()
-        assert any(needle in r.reason for r in rep.rolled_back), str(rep)
+        with pytest.raises(fxfuse.FxFuseOptionsError, match=needle):
+            torch.compile(model, backend="fxfuse", options={**AOT, "pass_options": opts})(input_ids=ids)
 
 
 def test_adapter_chain_and_refusals():

@@ -78,11 +78,10 @@ def test_symbolic_sequence_length_is_left_alone():
     assert any("symbolic" in r or "graph input" in r for r in _reasons()), _reasons()
 
 
-def test_bad_option_rolls_back():
+def test_bad_option_is_refused_before_any_pass_runs():
+    """max_mask_elements is declared by the pass: a bad value is an options error at the first call."""
     m = _sdpa_model()
     ids = torch.randint(0, 128, (1, 8))
     opts = dict(AOT, pass_options={"sdpa_causal_mask": {"max_mask_elements": "big"}})
-    torch.compile(m, backend="fxfuse", options=opts)(input_ids=ids, labels=ids, use_cache=False)
-    rep = fxfuse.report()
-    assert not fused_sites("sdpa_causal_mask", rep)
-    assert any("max_mask_elements" in (r.reason or "") for r in rep.rolled_back)
+    with pytest.raises(fxfuse.FxFuseOptionsError, match=r"\['max_mask_elements'\] must be an int >= 1"):
+        torch.compile(m, backend="fxfuse", options=opts)(input_ids=ids, labels=ids, use_cache=False)
