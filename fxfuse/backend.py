@@ -421,7 +421,7 @@ def _verify_reference(gm, example_inputs, rep: FusionReport):
     why = why_not_verifiable(gm, example_inputs)
     if why is None:
         try:
-            ref = Reference(example_inputs, [n.name for n in gm.graph.nodes if n.op == "placeholder"])
+            ref = Reference(example_inputs, [n.name for n in gm.graph.nodes if n.op == "placeholder"], gm)
             ref.result = run_graph(gm, ref, lambda args, outs: outs)
             return ref
         except Exception as e:

@@ -55,9 +55,19 @@ def why_not_verifiable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Opt
 class Reference:
     """The leaves gradients are taken for, and the fixed output weights, shared by every run."""
 
-    def __init__(self, example_inputs: Sequence[Any], names: Sequence[str] = ()):
+    def __init__(self, example_inputs: Sequence[Any], names: Sequence[str] = (), gm: Optional[fx.GraphModule] = None):
         self.inputs = list(example_inputs)
         self.names = list(names)
+        # The graph computes at the precision of its lowest-precision floats (bf16 matmuls under autocast return
+        # fp32 gradients of fp32 parameters): every comparison gets at least that dtype's tolerance.
+        self.min_tolerance = 0.0
+        if gm is not None:
+            for _, m in graph_modules(gm):
+                for n in m.graph.nodes:
+                    v = n.meta.get("val", n.meta.get("example_value"))
+                    for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                        if isinstance(t, torch.Tensor) and t.is_floating_point():
+                            self.min_tolerance = max(self.min_tolerance, TOLERANCE.get(t.dtype, 0.0))
         self.grad_idx = [i for i, x in enumerate(self.inputs)
                          if isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()]
         self.weights: Optional[List[Optional[torch.Tensor]]] = None
@@ -136,7 +146,7 @@ def compare(reference, got, ref: Optional[Reference] = None) -> Tuple[Optional[s
             continue
         if not isinstance(a, torch.Tensor) or a.shape != b.shape:
             return f"{what}: {type(a).__name__} {getattr(a, 'shape', '')} instead of {list(b.shape)}", float("inf")
-        tol = TOLERANCE.get(b.dtype, 1e-3)
+        tol = max(TOLERANCE.get(b.dtype, 1e-3), ref.min_tolerance if ref is not None else 0.0)
         err = _rel(a, b)
         if err / tol > worst:
             worst = err / tol

@@ -247,7 +247,7 @@ def test_chunk_bytes_option_reaches_the_op(monkeypatch):
     ref, out, gref, g = _run(FORMS["linear_mean"], h, W, y,
                              options={"pass_options": {"linear_cross_entropy": {"chunk_bytes": budget}}})
     _assert_fused()
-    assert seen == [budget]
+    assert seen and set(seen) == {budget}  # (verify=True runs the op once more at compile time)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(g, gref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
