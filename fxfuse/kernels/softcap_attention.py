@@ -397,6 +397,21 @@ def _config(kind: str, block_d: int, dtype, override=None):
     return DEFAULT_CONFIGS[key][kind]
 
 
+# Arguments whose divisibility changes with the sequence length (the lengths; the mask's strides, which contain one)
+# are not specialised by Triton: with specialisation (on == 1 and on divisibility by 16) a variable-length workload
+# JIT-compiles new variants of each kernel in the middle of training. They only bound loops and address the mask.
+# q / k / v / output strides stay specialised: with a head_dim that is a multiple of 16 their divisibility does not
+# depend on the length, and it is what proves the tile loads aligned.
+_LENGTHS_MASK_TILE_CLASSES = ['stride_mb', 'stride_mh', 'stride_r', 'stride_c', 'R', 'C', 'NR', 'NC']
+_MASK_LENGTHS = ['stride_mb', 'stride_mh', 'stride_mm', 'stride_rb', 'stride_rh']
+_LENGTHS_ATTN_FWD = _MASK_LENGTHS + ['S', 'SKV', 'OFF']
+_LENGTHS_ATTN_BWD_PRE = ['S']
+_LENGTHS_ATTN_BWD_DKDV = _MASK_LENGTHS + ['S', 'SKV', 'OFF']
+_LENGTHS_ATTN_BWD_DQ = _MASK_LENGTHS + ['S', 'SKV', 'OFF']
+_LENGTHS_ATTN_BWD_DEAD_DQ = ['S', 'SKV', 'NQB']
+_LENGTHS_ATTN_BWD_DEAD_DKDV = ['S', 'SKV', 'NQB']
+
+
 if HAVE_TRITON:
 
     @triton.jit
@@ -476,7 +491,7 @@ if HAVE_TRITON:
         return s2
 
     # ------------------------------------------------------------------------ block ranges of a mask tensor
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_MASK_TILE_CLASSES)
     def _mask_tile_classes(M, CLS, stride_mb, stride_mh, stride_r, stride_c, R, C, NR, NC, HM,
                            BR: tl.constexpr, BC: tl.constexpr, MASK_KIND: tl.constexpr):
         """CLS[bh, r, c] = 0 EMPTY / 1 PARTIAL / 2 FULL for the [BR, BC] mask tile (r, c) of mask (b, h).
@@ -504,20 +519,30 @@ if HAVE_TRITON:
         cls = tl.where(any_kept == 0, 0, tl.where(all_neutral == 1, 2, 1))
         tl.store(CLS + (bh * NR + pr) * NC + pc, cls.to(tl.int8))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["NC"])
     def _mask_block_ranges(CLS, RANGES, NC, BLOCK: tl.constexpr):
         """One row of tile classes -> (lo, b, c, hi) in block units: nothing kept outside [lo, hi), [b, c) all
-        FULL (the first run of FULL tiles; b = c = hi when there is none)."""
+        FULL (the first run of FULL tiles; b = c = hi when there is none). The row is read in BLOCK-wide pieces
+        (a fixed BLOCK: one compiled variant for every sequence length)."""
         row = tl.program_id(0)
-        idx = tl.arange(0, BLOCK)
-        valid = idx < NC
-        cls = tl.load(CLS + row * NC + idx, mask=valid, other=0).to(tl.int32)
-        nonempty = cls != 0
-        lo = tl.min(tl.where(nonempty, idx, NC))
-        hi = tl.maximum(tl.max(tl.where(nonempty, idx + 1, 0)), lo)
-        full = cls == 2
-        b = tl.min(tl.where(full, idx, NC))
-        c = tl.min(tl.where(valid & (~full) & (idx > b), idx, NC))
+        lo = NC
+        hi = 0
+        b = NC
+        for start in range(0, NC, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            valid = idx < NC
+            cls = tl.load(CLS + row * NC + idx, mask=valid, other=0).to(tl.int32)
+            nonempty = cls != 0
+            lo = tl.minimum(lo, tl.min(tl.where(nonempty, idx, NC)))
+            hi = tl.maximum(hi, tl.max(tl.where(nonempty, idx + 1, 0)))
+            b = tl.minimum(b, tl.min(tl.where(cls == 2, idx, NC)))
+        c = NC
+        for start in range(0, NC, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            valid = idx < NC
+            cls = tl.load(CLS + row * NC + idx, mask=valid, other=0).to(tl.int32)
+            c = tl.minimum(c, tl.min(tl.where(valid & (cls != 2) & (idx > b), idx, NC)))
+        hi = tl.maximum(hi, lo)
         none_full = b >= NC
         b = tl.where(none_full, hi, b)
         c = tl.where(none_full, hi, tl.minimum(c, hi))
@@ -614,7 +639,7 @@ if HAVE_TRITON:
         else:
             return _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
     def _attn_fwd(Q, K, V, M, RNG, O, LSE, VMEAN,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
@@ -674,7 +699,7 @@ if HAVE_TRITON:
         tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
 
     # ------------------------------------------------------------------------------------------ backward
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_PRE)
     def _attn_bwd_pre(O, DO, DELTA,
                       stride_ob, stride_oh, stride_om, stride_od,
                       stride_dob, stride_doh, stride_dom, stride_dod,
@@ -745,7 +770,7 @@ if HAVE_TRITON:
                 dk += _dot(dsT.to(q.dtype), q, DOT_FP32)
         return dk, dv
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DKDV)
     def _attn_bwd_dkdv(Q, K, V, M, RNG, DO, LSE, DELTA, DK, DV,
                        stride_qb, stride_qh, stride_qm, stride_qd,
                        stride_kb, stride_kh, stride_kn, stride_kd,
@@ -852,7 +877,7 @@ if HAVE_TRITON:
             dq += _dot(ds.to(k.dtype), k, DOT_FP32)
         return dq
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DQ)
     def _attn_bwd_dq(Q, K, V, M, RNG, DO, LSE, DELTA, DQ,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
@@ -907,7 +932,7 @@ if HAVE_TRITON:
 if HAVE_TRITON:
 
     # -------------------------------------------------- fully masked rows, MASKED_ROWS_UNIFORM (see docstring)
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DEAD_DQ)
     def _attn_bwd_dead_dq(Q, K, V, DO, LSE, DELTA, DQ, FLAGS,
                           stride_qb, stride_qh, stride_qm, stride_qd,
                           stride_kb, stride_kh, stride_kn, stride_kd,
@@ -959,7 +984,7 @@ if HAVE_TRITON:
             old = tl.load(ptrs, mask=st, other=0.0).to(tl.float32)
             tl.store(ptrs, (old + dq * scaling).to(DQ.dtype.element_ty), mask=st)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DEAD_DKDV)
     def _attn_bwd_dead_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS,
                             stride_qb, stride_qh, stride_qm, stride_qd,
                             stride_kb, stride_kh, stride_kn, stride_kd,
@@ -1060,7 +1085,7 @@ def _mask_block_ranges_of(mt, ms, kind, B, Hq, R, C, BR, BC, transpose=False):
     _mask_tile_classes[(NC, NR, Bm * Hm)](mt, cls, sb, sh, sr, sc, R, C, NR, NC, Hm, BR=BR, BC=BC,
                                           MASK_KIND=kind, num_warps=4)
     rng = torch.empty(Bm * Hm * NR, 4, dtype=torch.int32, device=mt.device)
-    _mask_block_ranges[(Bm * Hm * NR,)](cls, rng, NC, BLOCK=max(16, triton.next_power_of_2(NC)), num_warps=4)
+    _mask_block_ranges[(Bm * Hm * NR,)](cls, rng, NC, BLOCK=128, num_warps=4)
     return rng, (Hm * NR * 4 if Bm > 1 else 0, NR * 4 if Hm > 1 else 0)
 
 
