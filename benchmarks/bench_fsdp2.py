@@ -13,6 +13,11 @@ Run on one GPU (the issue's measurement) or several, from the repository root:
   for i in inductor inductor-regional fxfuse fxfuse-regions; do
       PYTHONPATH=. torchrun --nproc_per_node 1 benchmarks/bench_fsdp2.py $i; done
 Rank 0 appends a row (tokens/s per GPU, peak, first-step time, losses, graphs, fused sites) to $OUT/fsdp2.jsonl.
+
+Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 4096, 14336, 32 / 8 heads, untied
+128256 vocab; default ``1b``), ``FSDP_LAYERS`` (default 16), ``FSDP_SEQ`` (tokens per row, 2 rows per GPU; default
+2048), ``FSDP_LORA=1`` (PEFT LoRA r16 on all seven projections, base weights frozen), ``FSDP_STEPS`` (timed steps,
+default 8). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -37,19 +42,35 @@ def main(impl):
     import fxfuse
 
     small = dev.type == "cpu"
-    cfg = (LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512) if small else
-           LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                       tie_word_embeddings=True))
+    shape = os.environ.get("FSDP_SHAPE", "1b")
+    n_layers = int(os.environ.get("FSDP_LAYERS", 16))
+    lora = os.environ.get("FSDP_LORA", "0") == "1"
+    if small:
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=512)
+    elif shape == "8b":
+        cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=n_layers, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                          tie_word_embeddings=False, rope_theta=500000.0)
+    else:
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=n_layers, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                          tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").to(dev)
+    with torch.device(dev):  # built on the GPU: a CPU init of billions of fp32 parameters takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
     if impl == "inductor-regional":  # compile before sharding, per layer: hooks outside the compiled region
-        for layer in model.model.layers:
+        for layer in layers:
             layer.forward = torch.compile(layer.forward)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if not small else None
     kw = dict(mp_policy=mp) if mp else {}
-    for layer in model.model.layers:
+    for layer in layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     fwd = model
@@ -57,10 +78,12 @@ def main(impl):
         fwd = torch.compile(model)
     elif impl == "fxfuse":
         fwd = torch.compile(model, backend="fxfuse")
+    elif impl == "fxfuse-nolce":
+        fwd = torch.compile(model, backend="fxfuse", options={"passes": {"linear_cross_entropy": False}})
     elif impl == "fxfuse-regions":
         fwd = fxfuse.compile_regions(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    B, S = (2, 64) if small else (2, 2048)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    B, S = (2, 64) if small else (2, int(os.environ.get("FSDP_SEQ", 2048)))
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev, generator=g)
 
@@ -80,7 +103,7 @@ def main(impl):
     sync()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    n = 8 if not small else 2
+    n = int(os.environ.get("FSDP_STEPS", 8)) if not small else 2
     t0 = time.perf_counter()
     for _ in range(n):
         loss = step()
@@ -89,7 +112,8 @@ def main(impl):
     row = dict(impl=impl, gpus=dist.get_world_size(), device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
-               first_step_s=round(first, 1), loss0=round(l0, 4), loss_last=round(loss, 4))
+               first_step_s=round(first, 1), loss0=round(l0, 4), loss_last=round(loss, 4),
+               shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora)
     if impl.startswith("fxfuse"):
         fused = {}
         for r in fxfuse.reports():

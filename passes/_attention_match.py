@@ -24,9 +24,11 @@ import torch.fx as fx
 
 from fxfuse.graph_utils import arg, const_number, known_true, node_val, op_kind
 
-__all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE"]
+__all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE", "head_dim_pads", "pad_head_dims",
+           "slice_head_dim", "MAX_HEAD_DIM"]
 
 HARD_MASK_VALUE = -65504.0  # the op counts additive mask values <= this as masked
+MAX_HEAD_DIM = 256  # the op's largest head_dim
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _SCORE_KINDS = ("mul", "div", "tanh", "cast", "add", "masked_fill", "where")
 
@@ -51,6 +53,8 @@ class AttentionSite:
     cast_to: Optional[torch.dtype] = None  # autocast: both matmuls ran in this dtype on fp32 inputs
     masked_rows: int = 0                 # what eager gives a fully masked row: 0 n/a (no mask), 1 uniform
                                          # (a finite fill: HF's finfo.min), 2 NaN (a -inf fill)
+    pads: Tuple[int, int] = (0, 0)       # zero columns the rewrite appends to q / k and to v (see head_dim_pads)
+    v_head_dim: Any = None               # v's head_dim (the output's), when it differs from q's
 
 
 def known_number(a: Any) -> Optional[float]:
@@ -198,6 +202,60 @@ def _unrepeat(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
     except Exception:
         return x, 1, []
     return src, n, [u, e, x]
+
+
+# ------------------------------------------------------------------------------------------- head dims
+def head_dim_pads(d_qk: Any, d_v: Any) -> Tuple[Optional[Tuple[int, int]], str]:
+    """Zero columns to append to q / k and to v so that both have one head_dim, as the op needs: ``((pad_qk,
+    pad_v), "")`` or ``(None, why not)``.
+
+    Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, Kimi, GLM-4-MoE-Lite, ...) has a value head_dim
+    smaller than the query/key one (128 vs 192). Zero columns change nothing: q @ k^T is the same with zeros
+    appended to both, ``p @ [v, 0] = [p @ v, 0]`` (the output is sliced back), and the zero columns' gradients
+    are dropped by the pad's backward. The scale stays the one computed from q's own head_dim. Only static head
+    dims (a symbolic one would need a guard)."""
+    if not (isinstance(d_qk, int) and isinstance(d_v, int)):
+        if known_true(d_qk == d_v):
+            if known_true(d_qk > MAX_HEAD_DIM):
+                return None, f"head_dim {d_qk} > {MAX_HEAD_DIM}"
+            return (0, 0), ""
+        return None, "q / k and v head dims are symbolic and not provably equal"
+    width = max(d_qk, d_v)
+    if width > MAX_HEAD_DIM:
+        return None, f"head_dim {width} > {MAX_HEAD_DIM}"
+    return (width - d_qk, width - d_v), ""
+
+
+def pad_head_dims(g: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, pads: Tuple[int, int], like: fx.Node):
+    """Insert the zero-column pads of :func:`head_dim_pads` (at the graph's insertion point); returns q, k, v."""
+    import torch.nn.functional as F
+
+    from fxfuse.graph_utils import copy_node_meta
+
+    pad_qk, pad_v = pads
+    out = []
+    for t, p in ((q, pad_qk), (k, pad_qk), (v, pad_v)):
+        if p:
+            t = g.call_function(F.pad, (t, (0, p)))
+            copy_node_meta(t, like)
+        out.append(t)
+    return tuple(out)
+
+
+def slice_head_dim(g: fx.Graph, out: fx.Node, pads: Tuple[int, int], d_v: Any, like: fx.Node) -> fx.Node:
+    """The op's output without the zero columns appended to v, contiguous like the op's own output (a strided
+    view would change the strides a graph output or a later ``.view`` sees)."""
+    import operator
+
+    from fxfuse.graph_utils import copy_node_meta
+
+    if not pads[1]:
+        return out
+    sl = g.call_function(operator.getitem, (out, (Ellipsis, slice(None, int(d_v), None))))
+    copy_node_meta(sl, like)
+    c = g.call_method("contiguous", (sl,))
+    copy_node_meta(c, like)
+    return c
 
 
 # ------------------------------------------------------------------------------------------------ the mask
@@ -447,17 +505,18 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
         Hkv, Skv, Dk = kv.shape[1], kv.shape[3], kv.shape[2]
     if not (known_true(kv.shape[0] == B) and known_true(v0v.shape[0] == B)):
         return None, "k / v batch is broadcast against q's (not supported by the op)"
-    if not (known_true(Dk == D) and known_true(v0v.shape[3] == D) and known_true(v0v.shape[2] == Skv)
-            and known_true(v0v.shape[1] == Hkv)):
-        return None, "q / k / v head dims or lengths do not line up (v head_dim must equal q's)"
+    if not (known_true(Dk == D) and known_true(v0v.shape[2] == Skv) and known_true(v0v.shape[1] == Hkv)):
+        return None, "q / k head dims or k / v lengths / heads do not line up"
+    Dv = v0v.shape[3]
+    pads, why = head_dim_pads(D, Dv)
+    if pads is None:
+        return None, why
     if not known_true(Hq % Hkv == 0):
         return None, f"q heads ({Hq}) are not a known multiple of kv heads ({Hkv})"
     if not _same_shape(tuple(_tensor(qk).shape), (B, Hq, S, Skv)):
         return None, "q @ k^T broadcasts (score shape is not [B, Hq, S, Skv])"
     if not _same_shape(tuple(smv.shape), (B, Hq, S, Skv)):
         return None, "the mask broadcasts the scores to a larger shape"
-    if known_true(D > 256):
-        return None, f"head_dim {D} > 256"
     dts = {qv.dtype, kv.dtype, v0v.dtype}
     out = _tensor(pv_node)
     cast_to = None
@@ -470,8 +529,8 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
         cast_to = out.dtype
     elif len(dts) != 1 or qv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None, f"q / k / v dtypes {sorted(map(str, dts))} (need one of bf16 / fp16 / fp32)"
-    if out is None or out.dtype != (cast_to or qv.dtype) or not _same_shape(tuple(out.shape), (B, Hq, S, D)):
-        return None, "probs @ v output is not [B, Hq, S, D] in q's dtype"
+    if out is None or out.dtype != (cast_to or qv.dtype) or not _same_shape(tuple(out.shape), (B, Hq, S, Dv)):
+        return None, "probs @ v output is not [B, Hq, S, Dv] in q's dtype"
     if len({t.device for t in (qv, kv, v0v)}) != 1:
         return None, "q / k / v on different devices"
     if mask is not None:
@@ -487,5 +546,6 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
             return None, why
     nodes = pre_q + krep_nodes + vrep_nodes + ([kt] if k_rep is not None else []) + [qk] + chain[::-1] + [sm] + post
     site = AttentionSite(sm, qk, pv_node, q, k0, k_t, v0, float(scaling), float(softcap), mask, mask_negate,
-                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes, cast_to, masked_rows)
+                         mask_kind, dropout, int(nk) if k0 is not None else 1, nodes, cast_to, masked_rows,
+                         pads, Dv)
     return site, None

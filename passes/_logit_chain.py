@@ -153,6 +153,9 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
             nodes.append(n)
             pre, post = (before, after) if tanh else (after, 1.0)
             return LogitChain(h, w, None, n, nodes[::-1], row_index[::-1], transposed, pre, post, tanh), ""
+        if isinstance(n, fx.Node) and n.op == "placeholder":
+            return None, (f"the logits are an input of this graph ({n.target}), computed in another one: a graph "
+                          "break between the lm-head and the loss (or a compiled loss function given logits)")
         if not isinstance(n, fx.Node) or k is None:
             what = getattr(n, "target", n)
             return None, f"reached {getattr(what, '__name__', what)} before any lm-head projection"

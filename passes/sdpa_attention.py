@@ -25,7 +25,10 @@ Under autocast (AMP) SDPA casts q / k / v to the autocast dtype: the rewrite ins
 Not fused (reason in the fusion report): an additive float mask (SDPA's result for a row of -inf differs from a
 row of finfo.min, which the kernel would have to tell apart), dropout that may be > 0, ``is_causal`` together with
 a mask, a ``scale`` that is a graph value, q / k / v dtypes other than one of bf16 / fp16 / fp32, head_dim > 256,
-v's head_dim different from q's, and k / v heads that do not divide q's.
+and k / v heads that do not divide q's (one k / v head broadcast over q's heads without ``enable_gqa``, as
+Falcon's multi-query attention passes it, is fused as GQA). A value head_dim that differs from the query/key one (multi-head latent
+attention: DeepSeek-V2/V3, MiniCPM3, Kimi, ...) is fused with zero columns appended to the narrower side and the
+output sliced back (``head_dim_pads`` in the report).
 
 Pass options (``pass_options={"sdpa_attention": {...}}``): none.
 """
@@ -42,7 +45,7 @@ import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.s
 from fxfuse.graph_utils import copy_node_meta, erase_unused, known_true, node_val
 from fxfuse.registry import register_pass
 
-from ._attention_match import _unrepeat, known_number
+from ._attention_match import _unrepeat, head_dim_pads, known_number, pad_head_dims, slice_head_dim
 
 NAME = "sdpa_attention"
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
@@ -100,14 +103,18 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
     B, Hq, S, D = qv.shape
     if not known_true(Hq % kv.shape[1] == 0):
         return None, f"q heads ({Hq}) are not a known multiple of kv heads ({kv.shape[1]})"
-    if not gqa and krep == [] and not known_true(kv.shape[1] == Hq):
+    broadcast_kv = not gqa and krep == [] and not known_true(kv.shape[1] == Hq)
+    if broadcast_kv and not (known_true(kv.shape[1] == 1) and known_true(vv.shape[1] == 1)):
         return None, "k / v have fewer heads than q without enable_gqa"
+    # one k / v head broadcast over q's heads (multi-query attention written as a broadcast, Falcon's) is GQA with
+    # every q head in one group: the op's own GQA indexing gives each q head that k / v head
     if not (known_true(kv.shape[0] == B) and known_true(vv.shape[0] == B)):
         return None, "k / v batch is broadcast against q's"
-    if not (known_true(kv.shape[3] == D) and known_true(vv.shape[3] == D) and known_true(vv.shape[2] == kv.shape[2])):
-        return None, "q / k / v head dims or lengths do not line up (v's head_dim must equal q's)"
-    if known_true(D > 256):
-        return None, f"head_dim {D} > 256"
+    if not (known_true(kv.shape[3] == D) and known_true(vv.shape[2] == kv.shape[2])):
+        return None, "q / k head dims or k / v lengths do not line up"
+    pads, why = head_dim_pads(D, vv.shape[3])  # multi-head latent attention: v's head_dim < q's
+    if pads is None:
+        return None, why
     dts = {qv.dtype, kv.dtype, vv.dtype}
     out = _tensor(n)
     cast_to = None
@@ -131,8 +138,9 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
     scale = float(D) ** -0.5 if scale is None and isinstance(D, int) else scale
     if scale is None:
         return None, "default scale with a symbolic head_dim"
-    return dict(q=q, k=k, v=v, mask=mask, scale=float(scale), n_rep=max(nk, 1), repeat_nodes=krep + vrep,
-                cast_to=cast_to), ""
+    n_rep = Hq if broadcast_kv else max(nk, 1)
+    return dict(q=q, k=k, v=v, mask=mask, scale=float(scale), n_rep=n_rep, repeat_nodes=krep + vrep,
+                cast_to=cast_to, pads=pads, v_head_dim=vv.shape[3]), ""
 
 
 @register_pass(name=NAME, order=46,
@@ -157,16 +165,20 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                     q, k, v = (g.call_method("to", (t, m["cast_to"])) for t in (q, k, v))
                     for t in (q, k, v):
                         copy_node_meta(t, n)
+                q, k, v = pad_head_dims(g, q, k, v, m["pads"], n)  # v head_dim != q's (MLA): zero columns
                 node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
                                        (q, k, v, m["mask"], m["scale"], 0.0, False, 0, 0))
                 out = g.call_function(operator.getitem, (node, 0))
+                copy_node_meta(out, n)
+                out = slice_head_dim(g, out, m["pads"], m["v_head_dim"], n)
             copy_node_meta(node, n)
-            copy_node_meta(out, n)
             n.replace_all_uses_with(out)
             g.erase_node(n)
             erased = erase_unused(g, m["repeat_nodes"])
             mv = node_val(m["mask"])
-            ctx.fused(node, f"SDPA with a bool mask -> fused attention (GQA {m['n_rep']}:1, scale {m['scale']:.6g})",
+            pad_note = (f", head dims q/k +{m['pads'][0]} v +{m['pads'][1]} zero columns" if any(m["pads"]) else "")
+            ctx.fused(node, f"SDPA with a bool mask -> fused attention (GQA {m['n_rep']}:1, scale {m['scale']:.6g}"
+                      f"{pad_note})", head_dim_pads=list(m["pads"]),
                       mask_shape=[str(s) for s in mv.shape], n_rep=m["n_rep"], masked_rows="zeros",
                       autocast_dtype=str(m["cast_to"]) if m["cast_to"] is not None else None,
                       erased=[e.name for e in erased])

@@ -47,7 +47,7 @@ import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.s
 from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._attention_match import AttentionSite, match_attention
+from ._attention_match import AttentionSite, match_attention, pad_head_dims, slice_head_dim
 
 NAME = "softcap_attention"
 _VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
@@ -70,11 +70,13 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
             for c in casts:
                 copy_node_meta(c, site.qk)
             q, k, v = casts
+        q, k, v = pad_head_dims(g, q, k, v, site.pads, site.qk)  # v head_dim != q's (MLA): zero columns
         node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
                                (q, k, v, mask, site.scaling, site.softcap, False, 0, site.masked_rows))
         out = g.call_function(operator.getitem, (node, 0))
+        copy_node_meta(out, site.qk)
+        out = slice_head_dim(g, out, site.pads, site.v_head_dim, site.qk)
     copy_node_meta(node, site.qk)
-    copy_node_meta(out, site.qk)
     site.pv.replace_all_uses_with(out)
     g.erase_node(site.pv)
     return node
@@ -113,9 +115,11 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                           causal=False, window=0, dropout=site.dropout, scores_numel=score_numel,
                           masked_rows=("zeros", "uniform", "nan")[site.masked_rows],
                           autocast_dtype=str(site.cast_to) if site.cast_to is not None else None,
-                          erased=[n.name for n in erased])
+                          head_dim_pads=list(site.pads), erased=[n.name for n in erased])
             op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"
-                  f"scaling {site.scaling:.6g}, {site.mask_kind} mask, GQA {site.n_rep}:1)")
+                  f"scaling {site.scaling:.6g}, {site.mask_kind} mask, GQA {site.n_rep}:1"
+                  + (f", head dims q/k +{site.pads[0]} v +{site.pads[1]} zero columns" if any(site.pads) else "")
+                  + ")")
             ctx.fused(node, op, saved_bytes=saved, **detail)
             changed += 1
         if changed:
