@@ -6,6 +6,8 @@
 #      fxfuse, inductor, fxfuse-regions, inductor-regional, eager               (issue 20)
 #   B  the same with PEFT LoRA r16 on all seven projections, then the anchor probe (Llama-3.2-1B shape,
 #      2x2048 per GPU) with fxfuse, fxfuse-nolce, inductor, fxfuse-regions      (issues 20, 19)
+#   D  the anchor probe's 1B shape without HF's KV cache (use_cache=False): fxfuse, fxfuse-nolce, inductor,
+#      inductor-regional (issue 19)
 #   C  one GPU each, side by side: GPU 0 fxfuse / GPU 1 Inductor on variable-length data (packed and padded,
 #      Llama-3.2-1B shape) then long context (8B widths x 4 layers, LoRA + checkpointing, 16k / 32k tokens);
 #      then the anchors' lm-head rows (eager, Inductor, fxfuse, Liger, CCE) on GPU 1   (issues 21, 13, 22)
@@ -68,5 +70,10 @@ C)
       LONG_IMPLS=inductor job varlen-long-inductor 60 python3 benchmarks/bench_varlen.py long
       job anchors-lce 60 python3 .anchors/anchors_gpu.py env lce ) &
     wait ;;
+D)  # the 1B shape of the anchor probe, with use_cache=False (the probe leaves HF's cache on: every decoder layer's
+    # frame recompiles on `past_key_values.layers[i].is_initialized` until the recompile limit, for every backend)
+    for impl in fxfuse fxfuse-nolce inductor inductor-regional; do
+        job "fsdp2-1b-$impl" 40 torchrun --nproc_per_node 2 benchmarks/bench_fsdp2.py $impl
+    done ;;
 esac
 echo "part $PART done at ${SECONDS}s"
