@@ -475,11 +475,17 @@ def _warn_near_recompile_limit(gm: fx.GraphModule, example_inputs, rep: FusionRe
             f"fxfuse: frame {frame} ({code}) has now been compiled {n + 1} times, Dynamo's recompile_limit "
             f"(torch._dynamo.config.recompile_limit = {limit}); new inputs that fail its guards will run this frame "
             f"eagerly, without fxfuse or Inductor. Changed since its previous compile: "
-            f"{'; '.join(diff[:6]) or 'no input shape or dtype (a guard on a value or a global)'}. "
+            f"{'; '.join(diff[:6]) or _NO_INPUT_CHANGE}. "
             f"TORCH_LOGS=recompiles shows Dynamo's reasons.", stacklevel=2)
     except Exception:  # a diagnostic must never break the compile
         log.debug("recompile-limit check failed", exc_info=True)
 
+
+#: the recompile warning's text when no input shape or dtype changed. The case seen in practice: an HF model called
+#: in training without use_cache=False builds a KV cache; under FSDP2 every decoder layer is its own frame, and
+#: Dynamo guards each layer's compile on that layer's cache state, so the frame recompiles once per layer.
+_NO_INPUT_CHANGE = ("no input shape or dtype (a guard on a value or a global; e.g. an HF model called in training "
+                    "without use_cache=False, whose KV cache makes each decoder layer's frame recompile under FSDP2)")
 
 _SOURCE_HASH: Optional[str] = None
 
