@@ -149,3 +149,28 @@ def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head
     assert all(len([s for s in r.fused if s.pass_name == "sdpa_attention"]) == 1 for r in blocks)
     undo_compile_regions(m)
     assert "_call_impl" not in m.model.layers[0].__dict__ and not hasattr(m, "_fxfuse_regions")
+
+
+def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(tmp_path):
+    """``examples/hf_trainer_fsdp2.py`` as written, under torchrun with 2 ranks: HF Trainer with
+    ``torch_compile=True`` (accelerate's Inductor backend) after ``fxfuse.install()`` fuses the lm-head loss and
+    logs the losses of the same script with ``--no-compile``. On the CPU accelerate applies no FSDP (it shards only
+    on accelerators) and the ranks run data-parallel; the FSDP2 half of the recipe runs only on GPUs."""
+    import subprocess
+
+    root = os.path.dirname(HERE)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "OMP_NUM_THREADS": "1"}
+
+    def run(*flags):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            "--master_port", str(_free_port()), os.path.join(root, "examples", "hf_trainer_fsdp2.py"),
+                            "--out", str(tmp_path / "out"), *flags],
+                           env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+        lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-4000:]
+        return json.loads(lines[-1][len("RESULT "):])
+
+    got, ref = run(), run("--no-compile")
+    assert "linear_cross_entropy" in got["fused"], got
+    assert len(got["losses"]) == 2 and got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (got, ref)
