@@ -128,15 +128,48 @@ def _publish(rep: FusionReport) -> None:
     log.debug("%s", rep)
 
 
+_CACHE_HITS_SEEN = 0
+
+
+def _warn_about_cached_graphs() -> None:
+    """Under :func:`fxfuse.install`, torch (2.13) looks a graph up in AOTAutograd's cache *before* Inductor's pre-grad
+    passes: on a hit the cached code (fused, as compiled when the cache was filled, and keyed on fxfuse's pass uuid)
+    runs, but fxfuse's pass did not run in this process and left no report. Say so instead of showing an empty or
+    partial list as if nothing had been fused."""
+    global _CACHE_HITS_SEEN
+    try:
+        from .inductor_hook import installed
+
+        if not installed():
+            return
+        from torch._dynamo.utils import counters
+
+        hits = int(counters["aot_autograd"].get("autograd_cache_hit", 0))
+    except Exception:  # a diagnostic must never break the caller
+        return
+    if hits > _CACHE_HITS_SEEN:
+        import warnings
+
+        warnings.warn(f"fxfuse: {hits - _CACHE_HITS_SEEN} graph(s) compiled since the last call came from AOTAutograd's "
+                      "on-disk cache, which torch looks up before Inductor's pre-grad passes: the cached code (fused as "
+                      "when it was cached) runs, but fxfuse's passes did not run in this process, so their reports "
+                      "are missing here. TORCHINDUCTOR_AUTOGRAD_CACHE=0 recompiles them and brings the reports back.",
+                      stacklevel=3)
+        _CACHE_HITS_SEEN = hits
+
+
 def report() -> FusionReport:
     """The report of the most recent graph fxfuse compiled (an empty report if none yet)."""
+    _warn_about_cached_graphs()
     if not _REPORTS:
         return FusionReport(graph_name="<nothing compiled with fxfuse yet>")
     return _REPORTS[-1]
 
 
 def reports() -> List[FusionReport]:
-    """Every report since start-up or the last :func:`clear_reports`, oldest first."""
+    """Every report since start-up or the last :func:`clear_reports`, oldest first. Under :func:`fxfuse.install`,
+    graphs served from AOTAutograd's cache have none (a warning says how many)."""
+    _warn_about_cached_graphs()
     return list(_REPORTS)
 
 

@@ -175,6 +175,43 @@ def test_an_edited_fxfuse_never_runs_code_cached_from_the_old_one(tmp_path):
     assert ref2 == ref and loss2 == pytest.approx(2 * ref, rel=1e-5), (loss2, ref)
 
 
+_INSTALL_SCRIPT = textwrap.dedent(r"""
+    import warnings, torch, torch.nn.functional as F
+    import fxfuse
+    fxfuse.install()
+    torch.manual_seed(0)
+    h = torch.randn(16, 8); w = torch.randn(32, 8, requires_grad=True); y = torch.randint(0, 32, (16,))
+    with torch.profiler.profile() as prof:
+        torch.compile(lambda h, w, y: F.cross_entropy(h @ w.t(), y))(h, w, y).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = [r.pass_name for rep in fxfuse.reports() for r in rep.fused]
+    ops = sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")})
+    print("RESULT", fused, ops, [str(c.message)[:90] for c in caught if "AOTAutograd" in str(c.message)])
+""")
+
+
+def test_a_graph_served_from_aotautograd_cache_under_install_says_its_report_is_missing(tmp_path):
+    """Under install(), torch looks a graph up in AOTAutograd's cache before Inductor's pre-grad passes: the second
+    process runs the cached fused code without running fxfuse's pass. reports() must say so, not look unfused."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               TORCHINDUCTOR_FORCE_DISABLE_CACHES="0", TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    env.pop("TRITON_INTERPRET", None)
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", _INSTALL_SCRIPT], env=env, capture_output=True, text=True,
+                           cwd=str(tmp_path), timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")][-1]
+
+    first, second = run(), run()
+    assert "['linear_cross_entropy']" in first and "AOTAutograd" not in first, first
+    assert "fxfuse::linear_cross_entropy_fwd" in second, second  # the fused code ran from the cache
+    if "[] " in second:  # no report in the second process: then it must have been said
+        assert "came from AOTAutograd" in second, second
+
+
 # ---------------------------------------------------------------------------------------------- 4. reports
 def test_reports_of_graphs_that_share_a_compile_id_are_all_kept():
     f = torch.compile(lambda x: torch.relu(x) * 2, backend="fxfuse", options=AOT)
