@@ -16,13 +16,15 @@ attention: :func:`match_attention` returns ``(None, None)`` for it and the pass 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
-from fxfuse.graph_utils import arg, const_number, known_true, node_val, op_kind
+from fxfuse.graph_utils import arg, const_number, copy_node_meta, known_true, node_val, op_kind
 
 __all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE", "head_dim_pads", "pad_head_dims",
            "slice_head_dim", "MAX_HEAD_DIM"]
@@ -228,10 +230,6 @@ def head_dim_pads(d_qk: Any, d_v: Any) -> Tuple[Optional[Tuple[int, int]], str]:
 
 def pad_head_dims(g: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, pads: Tuple[int, int], like: fx.Node):
     """Insert the zero-column pads of :func:`head_dim_pads` (at the graph's insertion point); returns q, k, v."""
-    import torch.nn.functional as F
-
-    from fxfuse.graph_utils import copy_node_meta
-
     pad_qk, pad_v = pads
     out = []
     for t, p in ((q, pad_qk), (k, pad_qk), (v, pad_v)):
@@ -245,10 +243,6 @@ def pad_head_dims(g: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, pads: Tuple[i
 def slice_head_dim(g: fx.Graph, out: fx.Node, pads: Tuple[int, int], d_v: Any, like: fx.Node) -> fx.Node:
     """The op's output without the zero columns appended to v, contiguous like the op's own output (a strided
     view would change the strides a graph output or a later ``.view`` sees)."""
-    import operator
-
-    from fxfuse.graph_utils import copy_node_meta
-
     if not pads[1]:
         return out
     sl = g.call_function(operator.getitem, (out, (Ellipsis, slice(None, int(d_v), None))))
