@@ -89,6 +89,53 @@ def sec_check():
          dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
 
 
+def sec_heads():
+    """Head dims the kernels meet through the passes' zero-column padding (multi-head latent attention: q/k 192,
+    v 128 -> both 192) and other non-power-of-two widths: the op vs float64, forward and every gradient; then an
+    SDPA call with v's head_dim 128 and q/k's 192 compiled with fxfuse against float64."""
+    torch.manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        for D in (24, 96, 192):
+            B, Hq, Hkv, S, pad = 2, 8, 4, 700, 100
+            q = torch.randn(B, Hq, S, D, device=DEV, dtype=dt, requires_grad=True)
+            k = torch.randn(B, Hkv, S, D, device=DEV, dtype=dt, requires_grad=True)
+            v = torch.randn(B, Hkv, S, D, device=DEV, dtype=dt, requires_grad=True)
+            do = torch.randn_like(q)
+            keep = torch.ones(S, S, device=DEV).tril().bool()[None].repeat(B, 1, 1)
+            keep[1, :, :pad] = False
+            mask = keep[:, None]
+            out = softcap_attention(q, k, v, mask=mask)
+            g = torch.autograd.grad(out, (q, k, v), do)
+            qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+            ref = K.attention_reference(qd, kd, vd, mask, D ** -0.5, 0.0, False, 0, masked_rows=0)
+            gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+            emit(section="heads", what="op", dtype=str(dt), D=D, out=rel(out, ref), dq=rel(g[0], gr[0]),
+                 dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
+    for dt in (torch.bfloat16, torch.float32):
+        B, H, S = 2, 4, 600
+        q = torch.randn(B, H, S, 192, device=DEV, dtype=dt, requires_grad=True)
+        k = torch.randn(B, H, S, 192, device=DEV, dtype=dt, requires_grad=True)
+        v = torch.randn(B, H, S, 128, device=DEV, dtype=dt, requires_grad=True)
+        keep = torch.ones(S, S, device=DEV).tril().bool()[None, None].repeat(B, 1, 1, 1)
+        keep[1, :, :, S - 50:] = False
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # noqa: E731
+        torch._dynamo.reset()
+        fxfuse.clear_reports()
+        out = torch.compile(fn, backend="fxfuse")(q, k, v)
+        do = torch.randn_like(out)
+        g = torch.autograd.grad(out, (q, k, v), do)
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = fn(qd, kd, vd)
+        gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+        eager = fn(q, k, v)
+        ge = torch.autograd.grad(eager, (q, k, v), do)
+        fused = [r.pass_name for rep in fxfuse.reports() for r in rep.fused]
+        emit(section="heads", what="MLA SDPA q/k 192 v 128 compiled", dtype=str(dt), fused=fused,
+             out=rel(out, ref), dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]),
+             eager_out=rel(eager, ref), eager_dq=rel(ge[0], gr[0]), eager_dk=rel(ge[1], gr[1]),
+             eager_dv=rel(ge[2], gr[2]))
+
+
 def sec_sdpa_dead_rows():
     """What SDPA itself gives a fully masked query row with a bool mask, per backend: zeros, the mean of v over all
     keys, or the unmasked attention (forward and dq of those rows)."""
