@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from fxfuse.graph_utils import arg, const_number, copy_node_meta, known_true, node_val, op_kind
 
 __all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE", "head_dim_pads", "pad_head_dims",
-           "slice_head_dim", "MAX_HEAD_DIM"]
+           "slice_head_dim", "append_sink_key", "MAX_HEAD_DIM"]
 
 HARD_MASK_VALUE = -65504.0  # the op counts additive mask values <= this as masked
 MAX_HEAD_DIM = 256  # the op's largest head_dim
@@ -57,6 +57,8 @@ class AttentionSite:
                                          # (a finite fill: HF's finfo.min), 2 NaN (a -inf fill)
     pads: Tuple[int, int] = (0, 0)       # zero columns the rewrite appends to q / k and to v (see head_dim_pads)
     v_head_dim: Any = None               # v's head_dim (the output's), when it differs from q's
+    sinks: Optional[fx.Node] = None      # attention sinks (gpt-oss): a per-head logit in every row's softmax,
+                                         # [B|1, Hq, S|1, 1]; see append_sink_key
 
 
 def known_number(a: Any) -> Optional[float]:
@@ -295,6 +297,80 @@ def _hard_fill(value: Any) -> bool:
     return c is not None and (c == -math.inf or c <= HARD_MASK_VALUE)
 
 
+# ------------------------------------------------------------------------------------------ attention sinks
+def _target_name(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+
+
+def _last_dim_arg(n: fx.Node, pos: int, name: str, default=None):
+    return n.kwargs[name] if name in n.kwargs else (n.args[pos] if len(n.args) > pos else default)
+
+
+def _row_max_of(b: Any, x: fx.Node) -> List[fx.Node]:
+    """The nodes of ``x.max(dim=-1, keepdim=True).values`` (or ``amax``) if ``b`` is that, else []."""
+    if not isinstance(b, fx.Node) or b.op not in ("call_function", "call_method"):
+        return []
+    nodes = [b]
+    if _target_name(b) == "getitem" and len(b.args) == 2 and b.args[1] == 0 and isinstance(b.args[0], fx.Node):
+        b = b.args[0]
+        nodes.append(b)
+        if _target_name(b) != "max":
+            return []
+    elif _target_name(b) != "amax":
+        return []
+    if b.op not in ("call_function", "call_method") or not b.args or b.args[0] is not x:
+        return []
+    if _last_dim_arg(b, 1, "dim") not in (-1, 3, [-1], [3], (-1,), (3,)) or _last_dim_arg(b, 2, "keepdim") is not True:
+        return []
+    if any(len(m.users) != 1 for m in nodes):
+        return []
+    return nodes
+
+
+def _strip_sinks(x: fx.Node, sm: fx.Node) -> Tuple[fx.Node, Optional[fx.Node], List[fx.Node], str]:
+    """Peel ``softmax(cat([scores, sinks], -1) - rowmax)`` (gpt-oss's attention sinks; the row-max shift alone is
+    a softmax no-op and is peeled too) down to the scores: (scores, sinks or None, peeled nodes, why-not)."""
+    peeled: List[fx.Node] = []
+    if op_kind(x) == "sub":
+        a, b = arg(x, "input"), arg(x, "other")
+        maxes = _row_max_of(b, a) if isinstance(a, fx.Node) else []
+        if maxes and set(a.users) == {x, maxes[-1]} and len(x.users) == 1:
+            peeled += [x] + maxes
+            x = a
+    if isinstance(x, fx.Node) and x.op == "call_function" and x.target is torch.cat:
+        ts, dim = x.args[0] if x.args else x.kwargs.get("tensors"), _last_dim_arg(x, 1, "dim", 0)
+        if isinstance(ts, (list, tuple)) and len(ts) == 2 and all(isinstance(t, fx.Node) for t in ts) \
+                and dim in (-1, 3) and _reaches_qk(ts[0]):
+            sv = _tensor(ts[1])
+            if sv is None or sv.dim() != 4 or not known_true(sv.shape[3] == 1) or not sv.dtype.is_floating_point:
+                return x, None, peeled, "a column concatenated to the scores that is not one sink logit per row"
+            if len(ts[0].users) != 1 or not set(x.users) <= set(peeled) | {sm}:
+                return x, None, peeled, "scores with other users besides the sinks' cat"
+            return ts[0], ts[1], peeled + [x], ""
+    return x, None, peeled, ""
+
+
+def append_sink_key(q, k, v, mask, sinks, scaling: float):
+    """Attention sinks as one more key: each q row gets a last column ``sink / scaling`` (its head's sink logit),
+    every real key a 0 there and one extra key a 1 (elsewhere 0) with a zero value. Then
+    ``scaling * q'.k'`` is the score for real keys and the sink logit for the extra key, whose probability joins the
+    row's normaliser and adds nothing to the output: ``softmax(cat([scores, sink]))[..., :-1] @ v``. The sink's
+    gradient flows back through q's extra column. The mask (bool True = keep, or additive) keeps the extra key."""
+    B, Hq, S, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    col = (sinks.to(torch.float32) / scaling).to(q.dtype).expand(B, Hq, S, 1)
+    q2 = torch.cat([q, col], dim=-1)
+    k2 = torch.cat([k, k.new_zeros(B, Hkv, Skv, 1)], dim=-1)
+    sink_key = k.new_zeros(B, Hkv, 1, D + 1)
+    sink_key[..., D] = 1
+    k2 = torch.cat([k2, sink_key], dim=2)
+    v2 = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[3])], dim=2)
+    if mask is not None:
+        keep = torch.ones if mask.dtype == torch.bool else torch.zeros
+        mask = torch.cat([mask, keep((*mask.shape[:-1], 1), dtype=mask.dtype, device=mask.device)], dim=-1)
+    return q2, k2, v2, mask
+
+
 # -------------------------------------------------------------------------------------------------- match
 def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]]:
     """(site, None) when ``sm`` is a fusable attention softmax; (None, reason) for attention that is not fused;
@@ -306,6 +382,11 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
     dim = arg(sm, "dim")
     if dim not in (-1, 3):
         return None, ("softmax not over the key (last) dim" if _near_qk(x) else None)
+
+    x, sinks, sink_nodes, why = _strip_sinks(x, sm)
+    if why:
+        return None, why
+    scores_v = _tensor(x) if sinks is not None else smv
 
     # ---- up: softmax input .. q @ k^T
     chain: List[fx.Node] = []
@@ -431,6 +512,18 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
     dropout = None
     post: List[fx.Node] = []
     cur = sm
+    if sinks is not None:
+        if tanh:
+            return None, "attention sinks together with a tanh softcap"
+        drop = next(iter(sm.users)) if len(sm.users) == 1 else None
+        idx = drop.args[1] if drop is not None and op_kind(drop) == "getitem" and len(drop.args) == 2 else None
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        last = idx[-1] if idx else None
+        if not (isinstance(last, slice) and last.start in (None, 0) and last.step in (None, 1) and last.stop == -1
+                and all(i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in idx[:-1])):
+            return None, "attention sinks whose column is not dropped ([..., :-1]) right after the softmax"
+        post.append(drop)
+        cur = drop
     while True:
         if len(cur.users) != 1:
             return None, (f"attention probabilities ({cur.name}) have other users (e.g. output_attentions): "
@@ -502,14 +595,18 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
     if not (known_true(Dk == D) and known_true(v0v.shape[2] == Skv) and known_true(v0v.shape[1] == Hkv)):
         return None, "q / k head dims or k / v lengths / heads do not line up"
     Dv = v0v.shape[3]
-    pads, why = head_dim_pads(D, Dv)
+    pads, why = head_dim_pads(D + 1 if sinks is not None else D, Dv)  # a sink adds one q / k column
     if pads is None:
-        return None, why
+        return None, why + (" (with the sinks' extra column)" if sinks is not None else "")
+    if sinks is not None:
+        sv = _tensor(sinks)
+        if not all(known_true(a == 1) or known_true(a == b) for a, b in zip(sv.shape[:3], (B, Hq, S))):
+            return None, "attention sinks that do not broadcast to [B, Hq, S, 1]"
     if not known_true(Hq % Hkv == 0):
         return None, f"q heads ({Hq}) are not a known multiple of kv heads ({Hkv})"
     if not _same_shape(tuple(_tensor(qk).shape), (B, Hq, S, Skv)):
         return None, "q @ k^T broadcasts (score shape is not [B, Hq, S, Skv])"
-    if not _same_shape(tuple(smv.shape), (B, Hq, S, Skv)):
+    if not _same_shape(tuple(scores_v.shape), (B, Hq, S, Skv)):
         return None, "the mask broadcasts the scores to a larger shape"
     dts = {qv.dtype, kv.dtype, v0v.dtype}
     out = _tensor(pv_node)
@@ -538,8 +635,9 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
         why = _check_mask_slice(mask, Skv)
         if why:
             return None, why
-    nodes = pre_q + krep_nodes + vrep_nodes + ([kt] if k_rep is not None else []) + [qk] + chain[::-1] + [sm] + post
+    nodes = (pre_q + krep_nodes + vrep_nodes + ([kt] if k_rep is not None else []) + [qk] + chain[::-1]
+             + sink_nodes[::-1] + [sm] + post)
     site = AttentionSite(sm, qk, pv_node, q, k0, k_t, v0, float(scaling), float(softcap), mask, mask_negate,
                          mask_kind, dropout, int(nk) if k0 is not None else 1, nodes, cast_to, masked_rows,
-                         pads, Dv)
+                         pads, Dv, sinks)
     return site, None

@@ -29,6 +29,13 @@ of the row is absorbed into the fill, so eager averages v uniformly over all key
 through the raw scores; with a -inf fill eager gives NaN. The op's ``masked_rows`` argument carries which
 (``uniform`` / ``nan``, in the report); the loss stays eager's even when such rows keep their labels.
 
+Attention sinks (gpt-oss and relatives: ``c = cat([s, sinks], -1); c = c - c.max(-1, keepdim=True).values;
+p = softmax(c)[..., :-1]``, a per-head logit in every row's normaliser) become one more key: q gets a last column
+``sink / scaling``, k a zero column plus one extra key that is 1 there, v a zero row (``append_sink_key``), so the
+sink's probability joins the normaliser and adds nothing to the output, and its gradient comes back through q's
+extra column. It costs one head-dim column (64 -> 65 runs the kernel's 128-wide head-dim tile). A row whose
+real keys are all masked keeps the sink: eager's zeros. Not together with a tanh softcap.
+
 Under autocast (AMP: fp32 q / k / v, both matmuls returning bf16 / fp16) the op gets q / k / v cast to that
 dtype, as autocast casts them for the matmuls (``autocast_dtype`` in the report).
 
@@ -47,7 +54,7 @@ import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.s
 from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._attention_match import AttentionSite, match_attention, pad_head_dims, slice_head_dim
+from ._attention_match import AttentionSite, append_sink_key, match_attention, pad_head_dims, slice_head_dim
 
 NAME = "softcap_attention"
 _VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
@@ -70,6 +77,13 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
             for c in casts:
                 copy_node_meta(c, site.qk)
             q, k, v = casts
+        if site.sinks is not None:  # gpt-oss's attention sinks: one more key (see append_sink_key)
+            ext = g.call_function(append_sink_key, (q, k, v, mask, site.sinks, site.scaling))
+            parts = [g.call_function(operator.getitem, (ext, i)) for i in range(4 if mask is not None else 3)]
+            for t in [ext, *parts]:
+                copy_node_meta(t, site.qk)
+            q, k, v = parts[:3]
+            mask = parts[3] if mask is not None else None
         q, k, v = pad_head_dims(g, q, k, v, site.pads, site.qk)  # v head_dim != q's (MLA): zero columns
         node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
                                (q, k, v, mask, site.scaling, site.softcap, False, 0, site.masked_rows))
@@ -115,9 +129,11 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                           causal=False, window=0, dropout=site.dropout, scores_numel=score_numel,
                           masked_rows=("zeros", "uniform", "nan")[site.masked_rows],
                           autocast_dtype=str(site.cast_to) if site.cast_to is not None else None,
-                          head_dim_pads=list(site.pads), erased=[n.name for n in erased])
+                          head_dim_pads=list(site.pads), sinks=site.sinks.name if site.sinks is not None else None,
+                          erased=[n.name for n in erased])
             op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"
                   f"scaling {site.scaling:.6g}, {site.mask_kind} mask, GQA {site.n_rep}:1"
+                  + (", attention sinks" if site.sinks is not None else "")
                   + (f", head dims q/k +{site.pads[0]} v +{site.pads[1]} zero columns" if any(site.pads) else "")
                   + ")")
             ctx.fused(node, op, saved_bytes=saved, **detail)

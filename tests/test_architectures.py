@@ -7,8 +7,8 @@ The subset covers different code paths: SDPA with a padding mask (Llama), eager 
 a final logit softcap (Gemma-2), sliding / full layer types (Gemma-3), a logits divide and attention / residual
 multipliers (Granite), multi-query attention as a broadcast of one kv head (Falcon), multi-head latent attention
 with a value head_dim of its own plus grouped MoE routing and shared experts (DeepSeek-V3), MoE (Mixtral, Qwen2-MoE
-with a shared expert), a hybrid of Mamba, attention and MoE layers (Jamba), and eager attention with partial rotary
-embeddings and a parallel block (GPT-J).
+with a shared expert), a hybrid of Mamba, attention and MoE layers (Jamba), eager attention with partial rotary
+embeddings and a parallel block (GPT-J), and attention sinks with sliding windows and MoE (gpt-oss).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import architectures  # noqa: E402  (benchmarks/architectures.py)
 
 SUBSET = ["llama", "gemma2", "gemma3_text", "granite", "falcon", "deepseek_v3", "mixtral", "qwen2_moe", "jamba",
-          "gptj"]
-MOE = {"deepseek_v3", "mixtral", "qwen2_moe", "jamba"}
+          "gptj", "gpt_oss"]
+MOE = {"deepseek_v3", "mixtral", "qwen2_moe", "jamba", "gpt_oss"}
 
 
 @pytest.mark.parametrize("name", SUBSET)
