@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
-from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean
+from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
 
 __all__ = ["compile"]
 
@@ -51,12 +51,7 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
         raise FxFuseOptionsError(f"fxfuse.compile() got an unknown keyword {k!r}" + (f"; {hint}" if hint else "")
                                  + f" (fxfuse's options: {', '.join(FXFUSE_KEYS)}; Inductor settings go in "
                                    f"options={{...}})")
-    if options is not None and not isinstance(options, dict):
-        raise FxFuseOptionsError(f"fxfuse.compile(options=...) must be a dict, got {options!r}")
-    both = sorted(set(options or {}) & set(fxfuse_options))
-    if both:
-        raise FxFuseOptionsError(f"fxfuse.compile(): {both[0]!r} given twice (in options and as a keyword)")
-    merged = {**(options or {}), **fxfuse_options}
+    merged = merge_option_kwargs("fxfuse.compile", options, fxfuse_options)
     FxFuseOptions.parse(merged)
     if mode is not None:
         modes = _known_modes()

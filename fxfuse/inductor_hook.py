@@ -43,7 +43,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .errors import FxFuseError
-from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean
+from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
 
 log = logging.getLogger("fxfuse")
 
@@ -262,12 +262,7 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
     if why:
         raise FxFuseError(f"fxfuse.install() is not possible here: {why}; compile with torch.compile(model, "
                           f"backend='fxfuse') instead")
-    if options is not None and not isinstance(options, dict):
-        raise FxFuseOptionsError(f"fxfuse.install(options=...) must be a dict, got {options!r}")
-    both = sorted(set(options or {}) & set(fxfuse_options))
-    if both:
-        raise FxFuseOptionsError(f"fxfuse.install(): {both[0]!r} given twice (in options and as a keyword)")
-    merged = {**(options or {}), **fxfuse_options}
+    merged = merge_option_kwargs("fxfuse.install", options, fxfuse_options)
     opts = _installed_options(merged)
     cls = _pass_class()
     current = ic.pre_grad_custom_pass

@@ -59,6 +59,18 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
     return f"did you mean {hits[0]!r}?" if hits else ""
 
 
+def merge_option_kwargs(where: str, options: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` (a dict or None) and keyword options merged, as ``fxfuse.compile`` and ``fxfuse.install`` take
+    them; a key given both ways, or ``options`` that is not a dict, is the caller's error (``where`` names the
+    entry point)."""
+    if options is not None and not isinstance(options, dict):
+        raise FxFuseOptionsError(f"{where}(options=...) must be a dict, got {options!r}")
+    both = sorted(set(options or {}) & set(kwargs))
+    if both:
+        raise FxFuseOptionsError(f"{where}(): {both[0]!r} given twice (in options and as a keyword)")
+    return {**(options or {}), **kwargs}
+
+
 def _kind(value: Any) -> str:
     name = type(value).__name__
     return f"{value!r} ({'an' if name[0] in 'aeiou' else 'a'} {name})"

@@ -166,17 +166,8 @@ def test_compile_merges_keyword_options_and_runs_the_passes():
     assert [r for r in fxfuse.report().fused if r.pass_name == LCE]
 
 
-def test_compile_with_mode_and_options_folds_the_mode_into_options(monkeypatch):
-    import torch._inductor.compile_fx as cfx
-
-    seen = {}
-    real = cfx.compile_fx
-
-    def spy(gm, ex, config_patches=None, **kw):
-        seen.update(config_patches or {})
-        return real(gm, ex, config_patches=config_patches, **kw)
-
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+def test_compile_with_mode_and_options_folds_the_mode_into_options(inductor_config_patches):
+    seen = inductor_config_patches
     calls = []
     fxfuse.compile(lambda x: x * 2, mode="max-autotune-no-cudagraphs", passes=[],
                    extra_passes=[lambda gm: calls.append(1) or 0])(torch.randn(3))
@@ -205,6 +196,8 @@ def test_install_checks_options_and_refuses_what_inductor_cannot_do(clean_hook):
         fxfuse.install(pass_options={LCE: {"logits": "lazy"}})
     with pytest.raises(FxFuseOptionsError, match="did you mean 'strict'"):
         fxfuse.install(strcit=True)
+    with pytest.raises(FxFuseOptionsError, match=r"fxfuse.install\(\): 'strict' given twice"):
+        fxfuse.install(options={"strict": True}, strict=False)
     with pytest.raises(FxFuseOptionsError, match="'compiler' does not apply"):
         fxfuse.install(compiler="aot_eager")
     with pytest.raises(FxFuseOptionsError, match="Inductor's settings"):
