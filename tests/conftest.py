@@ -115,3 +115,20 @@ def assert_grads_close(model, ref, rtol=1e-4, atol=1e-5):
     assert set(got) == set(ref), set(got) ^ set(ref)
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=rtol, atol=atol, msg=lambda m: f"grad of {n}: {m}")
+
+
+@pytest.fixture
+def inductor_config_patches(monkeypatch):
+    """The Inductor config patches every ``compile_fx`` call received (mode and options forwarded by fxfuse), one
+    dict gathering them; Inductor still compiles."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = {}
+    real = cfx.compile_fx
+
+    def spy(gm, ex, config_patches=None, **kw):
+        seen.update(config_patches or {})
+        return real(gm, ex, config_patches=config_patches, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen

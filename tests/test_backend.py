@@ -113,17 +113,8 @@ def test_dynamic_sequence_lengths_do_not_recompile():
     assert len({r.graph_name.split(" #")[0] for r in fxfuse.reports()}) == 1
 
 
-def test_mode_and_inductor_options_forwarded(monkeypatch):
-    import torch._inductor.compile_fx as cfx
-
-    seen = {}
-    real = cfx.compile_fx
-
-    def spy(gm, ex, config_patches=None, **kw):
-        seen.update(config_patches or {})
-        return real(gm, ex, config_patches=config_patches, **kw)
-
-    monkeypatch.setattr(cfx, "compile_fx", spy)
+def test_mode_and_inductor_options_forwarded(inductor_config_patches):
+    seen = inductor_config_patches
     m = nn.Linear(4, 4)
     # torch.compile takes mode or options, not both
     torch.compile(m, backend="fxfuse", mode="max-autotune-no-cudagraphs")(torch.randn(2, 4))
