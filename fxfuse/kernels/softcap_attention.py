@@ -117,7 +117,7 @@ def _additive(mask: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]:
 
 
 def attention_reference(q, k, v, mask=None, scaling=None, softcap=0.0, causal=False, window=0,
-                        dtype=torch.float64, masked_rows=MASKED_ROWS_ZERO):
+                        dtype=torch.float64, masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
     """The eager formula in ``dtype`` (float64 by default), with repeat_interleave for GQA.
 
     Differentiable (autograd through it gives the reference gradients). Fully masked rows give zeros
@@ -141,6 +141,12 @@ def attention_reference(q, k, v, mask=None, scaling=None, softcap=0.0, causal=Fa
     ok = _allowed(S, Skv, causal, window, q.device)
     if ok is not None:
         s = s.masked_fill(~ok, float("-inf"))
+    if doc_ranges is not None:  # [2, B|1, S]: key j is in query i's document iff start_i <= j < end_i
+        kj = torch.arange(Skv, device=q.device)
+        same = (kj[None, None, :] >= doc_ranges[0][:, :, None]) & (kj[None, None, :] < doc_ranges[1][:, :, None])
+        s = s.masked_fill(~same[:, None], float("-inf"))
+    if key_valid is not None:  # [B|1, Skv]
+        s = s.masked_fill(~key_valid.to(torch.bool)[:, None, None, :], float("-inf"))
     if masked_rows == MASKED_ROWS_UNIFORM:  # eager's finite fill: raw + fill == fill for every masked entry
         keep = ~torch.isneginf(s.detach())
         s = torch.where(keep, s, raw + torch.finfo(dtype).min)
@@ -176,7 +182,8 @@ def _chunk_rows(B, Hq, S, Skv, chunk):
     return max(16, min(S, _CPU_SCORE_BUDGET // max(1, 4 * B * Hq * Skv)))
 
 
-def _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv):
+def _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv, doc_ranges=None,
+                  key_valid=None):
     """fp32 scores (after softcap, mask, index mask) of rows [q0, q1) against keys [lo, hi), grouped as
     [B, Hkv, G, C, L]; also tanh(.) (for the backward) when softcap."""
     B, Hq, _, Dh = q.shape
@@ -210,6 +217,13 @@ def _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, 
         if window:
             ok &= qi - ki < window
         s = s.masked_fill(~ok.to(s.device), float("-inf"))
+    if doc_ranges is not None:  # contiguous documents: key ki is in query qi's document iff start <= ki < end
+        ki = torch.arange(lo, hi, device=s.device)[None, None, :]
+        st, en = doc_ranges[0, :, q0:q1, None], doc_ranges[1, :, q0:q1, None]  # [B|1, C, 1]
+        ok = (ki >= st) & (ki < en)
+        s = s.masked_fill(~ok[:, None, None], float("-inf"))
+    if key_valid is not None:
+        s = s.masked_fill(~key_valid[:, None, None, None, lo:hi].to(torch.bool), float("-inf"))
     return s, t
 
 
@@ -249,7 +263,7 @@ def _nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows):
 
 
 def attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, chunk=None,
-                        masked_rows=MASKED_ROWS_ZERO):
+                        masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
     """Blockwise forward on any device. Returns (out [B, Hq, S, Dh] in q.dtype, lse [B, Hq, S] fp32)."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -265,7 +279,8 @@ def attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, chunk=N
             out[:, :, q0:q1] = 0
             lse[:, :, q0:q1] = float("inf")
             continue
-        s, _ = _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv)
+        s, _ = _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv, doc_ranges,
+                             key_valid)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)
@@ -307,7 +322,7 @@ def _uniform_dead_rows_bwd_torch(do, q, k, v, lse, delta, scaling, softcap, dq, 
 
 
 def attention_bwd_torch(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, chunk=None,
-                        masked_rows=MASKED_ROWS_ZERO):
+                        masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
     """Blockwise backward on any device. Returns (dq, dk, dv) in the inputs' dtype."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -324,7 +339,8 @@ def attention_bwd_torch(do, q, k, v, mask, out, lse, scaling, softcap, causal, w
         if hi <= lo:
             continue
         C_, L = q1 - q0, hi - lo
-        s, t = _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv)
+        s, t = _chunk_scores(q, k, mask, q0, q1, lo, hi, scaling, softcap, causal, window, S, Skv, doc_ranges,
+                             key_valid)
         ls = lse[:, :, q0:q1].reshape(B, Hkv, G, C_, 1)
         p = torch.exp(s - ls)  # lse = +inf on dead rows -> exactly 0
         doc = do[:, :, q0:q1].float().reshape(B, Hkv, G * C_, Dh)
@@ -403,7 +419,8 @@ def _config(kind: str, block_d: int, dtype, override=None):
 # q / k / v / output strides stay specialised: with a head_dim that is a multiple of 16 their divisibility does not
 # depend on the length, and it is what proves the tile loads aligned.
 _LENGTHS_MASK_TILE_CLASSES = ['stride_mb', 'stride_mh', 'stride_r', 'stride_c', 'R', 'C', 'NR', 'NC']
-_MASK_LENGTHS = ['stride_mb', 'stride_mh', 'stride_mm', 'stride_rb', 'stride_rh']
+_MASK_LENGTHS = ['stride_mb', 'stride_mh', 'stride_mm', 'stride_rb', 'stride_rh', 'stride_docb', 'stride_doce',
+                 'stride_kvvb']
 _LENGTHS_ATTN_FWD = _MASK_LENGTHS + ['S', 'SKV', 'OFF']
 _LENGTHS_ATTN_BWD_PRE = ['S']
 _LENGTHS_ATTN_BWD_DKDV = _MASK_LENGTHS + ['S', 'SKV', 'OFF']
@@ -459,9 +476,9 @@ if HAVE_TRITON:
             return qk * out_mul, qk
 
     @triton.jit
-    def _masked_scores(qk, sc_mul, out_mul, mptrs, qi, ki, S, SKV, OFF, window, SOFTCAP: tl.constexpr,
+    def _masked_scores(qk, sc_mul, out_mul, mptrs, qi, ki, S, SKV, OFF, window, DST, KVV, SOFTCAP: tl.constexpr,
                        MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                       BOUNDARY: tl.constexpr):
+                       BOUNDARY: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         """(s2, t) of one score tile with every mask applied. ``qi``/``ki`` are the query/key indices broadcast
         to the tile's shape, so the forward and dQ loops (queries x keys) and the dK/dV loop (keys x queries)
         share this. Causal/window/out-of-range masking is needed only on BOUNDARY tiles; interior tiles are
@@ -469,12 +486,17 @@ if HAVE_TRITON:
         s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
         if MASK_KIND != 0:
             s2 = _apply_mask_tensor(s2, mptrs, (qi < S) & (ki < SKV), MASK_KIND)
+        if HAS_KVV:  # key padding (a [Skv] vector of this batch row): read in every tile, O(BLOCK) bytes
+            kv_ok = tl.load(KVV + ki, mask=ki < SKV, other=0)
+            s2 = tl.where(kv_ok != 0, s2, float("-inf"))
         if BOUNDARY:
             ok = (qi < S) & (ki < SKV)
             if IS_CAUSAL:
                 ok = ok & (ki <= qi + OFF)
             if HAS_WINDOW:
                 ok = ok & (qi + OFF - ki < window)
+            if HAS_DOCS:  # contiguous documents under causal: key ki is in query qi's document iff ki >= start(qi)
+                ok = ok & (ki >= tl.load(DST + qi, mask=qi < S, other=0))
             s2 = tl.where(ok, s2, float("-inf"))
         return s2, t
 
@@ -501,11 +523,13 @@ if HAVE_TRITON:
         pc = tl.program_id(0)
         pr = tl.program_id(1)
         bh = tl.program_id(2)
-        rows = pr * BR + tl.arange(0, BR)
-        cols = pc * BC + tl.arange(0, BC)
+        # 64-bit addresses: a [B, 1, S, S] mask passes 2^31 elements from S = 46,341 (memory-bound kernel: free)
+        rows = pr.to(tl.int64) * BR + tl.arange(0, BR)
+        cols = pc.to(tl.int64) * BC + tl.arange(0, BC)
         row_in = rows[:, None] < R
         inb = row_in & (cols[None, :] < C)
-        ptrs = M + (bh // HM) * stride_mb + (bh % HM) * stride_mh + rows[:, None] * stride_r + cols[None, :] * stride_c
+        bh64 = bh.to(tl.int64)
+        ptrs = M + (bh64 // HM) * stride_mb + (bh64 % HM) * stride_mh + rows[:, None] * stride_r + cols[None, :] * stride_c
         if MASK_KIND == 1:
             mv = tl.load(ptrs, mask=inb, other=float("-inf")).to(tl.float32)
             kept = mv > -65504.0
@@ -577,10 +601,10 @@ if HAVE_TRITON:
     # ------------------------------------------------------------------------------------------- forward
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
-                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                    BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             if BOUNDARY:
@@ -595,8 +619,8 @@ if HAVE_TRITON:
             k = _load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
             qk = _dot(q, tl.trans(k), DOT_FP32)
             s2, t = _masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
-                                   offs_n[None, :], S, SKV, OFF, window, SOFTCAP, MASK_KIND, IS_CAUSAL,
-                                   HAS_WINDOW, BOUNDARY)
+                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                   HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             m_new = tl.maximum(m_i, tl.max(s2, 1))
             # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -609,8 +633,8 @@ if HAVE_TRITON:
         return acc, l_i, m_i
 
     @triton.jit
-    def _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    def _q_block_key_ranges(start_m, S, SKV, OFF, window, DST, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
         """Key ranges for query rows [start_m, start_m + BLOCK_M): [lo, b) and [c, hi) need index masks,
         [b, c) is fully kept for every row (multiples of BLOCK_N); keys outside [lo, hi) are skipped."""
         lo = 0
@@ -623,34 +647,44 @@ if HAVE_TRITON:
         if HAS_WINDOW:
             lo = (tl.maximum(0, start_m + OFF - window + 1) // BLOCK_N) * BLOCK_N
             full_lo = tl.cdiv(tl.maximum(0, start_m + BLOCK_M + OFF - window), BLOCK_N) * BLOCK_N
+        if HAS_DOCS:
+            # document starts are non-decreasing: the block's first row has the earliest start (nothing kept
+            # before it), its last row the latest (every row keeps the keys from there to the causal edge)
+            first = tl.load(DST + start_m).to(tl.int32)
+            last = tl.load(DST + tl.minimum(start_m + BLOCK_M, S) - 1).to(tl.int32)
+            lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
+            full_lo = tl.maximum(full_lo, tl.cdiv(last, BLOCK_N) * BLOCK_N)
         hi = tl.maximum(hi, lo)
         b = tl.minimum(tl.maximum(full_lo, lo), hi)
         c = tl.minimum(tl.maximum(full_hi, b), hi)
         return lo, b, c, hi
 
     @triton.jit
-    def _q_block_key_ranges_of(RNG_row, start_m, S, SKV, OFF, window, BLOCK_M: tl.constexpr,
+    def _q_block_key_ranges_of(RNG_row, start_m, S, SKV, OFF, window, DST, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                               MASK_RANGES: tl.constexpr):
+                               MASK_RANGES: tl.constexpr, HAS_DOCS: tl.constexpr):
         """The forward's and dQ's key ranges (lo, b, c, hi): from the mask tensor's tile classes (MASK_RANGES,
         ``RNG_row`` = this q block's row) or from the index masks."""
         if MASK_RANGES:
             return _load_ranges(RNG_row, BLOCK_N)
         else:
-            return _q_block_key_ranges(start_m, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW)
+            return _q_block_key_ranges(start_m, S, SKV, OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                                       HAS_DOCS)
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
-    def _attn_fwd(Q, K, V, M, RNG, O, LSE, VMEAN,
+    def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, O, LSE, VMEAN,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
                   stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
+                  stride_docb, stride_doce, stride_kvvb,
                   stride_ob, stride_oh, stride_om, stride_od,
                   H, G, S, SKV, OFF, window, sc_mul, out_mul,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
-                  BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr):
+                  BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr):
         pid_m, bh = _grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         h = bh % H
@@ -658,6 +692,11 @@ if HAVE_TRITON:
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
+        if INT64:  # some tensor's offsets pass 2^31 (a long mask, a long HF-strided q): 64-bit address math
+            b, h, hk, bh = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), bh.to(tl.int64)
+            offs_m, offs_n0 = offs_m.to(tl.int64), offs_n0.to(tl.int64)
+        DST = DOCS + b * stride_docb  # this row's document starts (HAS_DOCS)
+        KVV = KVVEC + b * stride_kvvb  # this row's key-valid flags (HAS_KVV)
         offs_d = tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
 
@@ -676,16 +715,20 @@ if HAVE_TRITON:
         # MASK_RANGES: the FULL middle [b_, c_) of the mask tensor's ranges needs no mask reads
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         lo, b_, c_, hi = _q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
-                                                OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES)
+                                                OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES,
+                                                HAS_DOCS)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                                   BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
         if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
@@ -705,10 +748,10 @@ if HAVE_TRITON:
                       stride_dob, stride_doh, stride_dom, stride_dod,
                       H, S, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)  # memory-bound: 64-bit addresses cost nothing here
         b = bh // H
         h = bh % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         msk = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
         o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
@@ -718,8 +761,8 @@ if HAVE_TRITON:
         tl.store(DELTA + bh * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
 
     @triton.jit
-    def _kv_block_query_ranges(start_n, S, SKV, OFF, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    def _kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
         """Query-row ranges for keys [start_n, start_n + BLOCK_N): kept iff q >= k - OFF (causal) and
         q < k - OFF + window. [lo, b) and [c, hi) need index masks; [b, c) is fully kept (multiples of
         BLOCK_M; rows >= S there are harmless: their lse is +inf, so p = 0)."""
@@ -733,6 +776,13 @@ if HAVE_TRITON:
         if HAS_WINDOW:
             hi = tl.minimum(S, tl.maximum(0, start_n + BLOCK_N - 1 - OFF + window))
             full_hi = (tl.maximum(0, start_n - OFF + window) // BLOCK_M) * BLOCK_M
+        if HAS_DOCS:
+            # document ends are non-decreasing: the block's last key reaches the furthest query, its first key
+            # bounds the queries that every key of the block reaches
+            first = tl.load(DEN + start_n).to(tl.int32)
+            last = tl.load(DEN + tl.minimum(start_n + BLOCK_N, SKV) - 1).to(tl.int32)
+            hi = tl.minimum(hi, last)
+            full_hi = tl.minimum(full_hi, (first // BLOCK_M) * BLOCK_M)
         hi = tl.maximum(hi, lo)
         b = tl.minimum(tl.maximum(full_lo, lo), hi)
         c = tl.minimum(tl.maximum(full_hi, b), hi)
@@ -740,11 +790,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d, lo, hi,
-                        stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul, out_mul,
+                        stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                         BLOCK_M: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
-                        DO_DV: tl.constexpr):
+                        DO_DV: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
@@ -755,8 +805,8 @@ if HAVE_TRITON:
             lse2 = tl.load(LSE_h + offs_m, mask=offs_m < S, other=float("inf")) * 1.4426950408889634
             qkT = _dot(k, tl.trans(q), DOT_FP32)
             s2, t = _masked_scores(qkT, sc_mul, out_mul, M_blk + offs_m[None, :] * stride_mm, offs_m[None, :],
-                                   offs_n[:, None], S, SKV, OFF, window, SOFTCAP, MASK_KIND, IS_CAUSAL,
-                                   HAS_WINDOW, BOUNDARY)
+                                   offs_n[:, None], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                   HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             pT = tl.exp2(s2 - lse2[None, :])
             do = tl.load(DO_blk + offs_m[:, None] * stride_dom, mask=q_mask, other=0.0)
             if DO_DV:
@@ -771,11 +821,12 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DKDV)
-    def _attn_bwd_dkdv(Q, K, V, M, RNG, DO, LSE, DELTA, DK, DV,
+    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, DO, LSE, DELTA, DK, DV,
                        stride_qb, stride_qh, stride_qm, stride_qd,
                        stride_kb, stride_kh, stride_kn, stride_kd,
                        stride_vb, stride_vh, stride_vn, stride_vd,
                        stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
+                  stride_docb, stride_doce, stride_kvvb,
                        stride_dob, stride_doh, stride_dom, stride_dod,
                        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -784,7 +835,8 @@ if HAVE_TRITON:
                        BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
                        DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
-                       BLOCK_MAJOR: tl.constexpr):
+                       BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
+                       INT64: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n, bhk = _grid_ids(BLOCK_MAJOR, False)
@@ -793,6 +845,12 @@ if HAVE_TRITON:
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_m0 = tl.arange(0, BLOCK_M)
+        if INT64:
+            b, hk = b.to(tl.int64), hk.to(tl.int64)
+            offs_n, offs_m0 = offs_n.to(tl.int64), offs_m0.to(tl.int64)
+        DST = DOCS + b * stride_docb  # document starts (element masks: key in the query's document)
+        DEN = DST + stride_doce  # document ends (the query range of a key block)
+        KVV = KVVEC + b * stride_kvvb
         offs_d = tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
         kv_mask = offs_n[:, None] < SKV
@@ -819,8 +877,8 @@ if HAVE_TRITON:
             if MASK_RANGES:  # query ranges of this key block from the (transposed) mask's tile classes
                 lo, b_, c_, hi = _load_ranges(RNG + b * stride_rb + h * stride_rh + pid_n * 4, BLOCK_M)
             else:
-                lo, b_, c_, hi = _kv_block_query_ranges(start_n, S, SKV, OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                                        HAS_WINDOW)
+                lo, b_, c_, hi = _kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M, BLOCK_N,
+                                                        IS_CAUSAL, HAS_WINDOW, HAS_DOCS)
             Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
             DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
             M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
@@ -828,16 +886,16 @@ if HAVE_TRITON:
             DELTA_h = DELTA + (b * H + h) * S
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
                                      lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
-                                     DOT_FP32, DO_DK, DO_DV)
+                                     out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
+                                     DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
                                      b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False,
-                                     DOT_FP32, DO_DK, DO_DV)
+                                     out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False,
+                                     DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
                                      c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
-                                     DOT_FP32, DO_DK, DO_DV)
+                                     out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
+                                     DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV)
         if DO_DK:
             dk = dk * scaling
             tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
@@ -848,10 +906,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
-                      stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
+                      stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                       BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                      DOT_FP32: tl.constexpr):
+                      DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             if BOUNDARY:
@@ -867,8 +925,8 @@ if HAVE_TRITON:
             v = _load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
             qk = _dot(q, tl.trans(k), DOT_FP32)
             s2, t = _masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
-                                   offs_n[None, :], S, SKV, OFF, window, SOFTCAP, MASK_KIND, IS_CAUSAL,
-                                   HAS_WINDOW, BOUNDARY)
+                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                   HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             p = tl.exp2(s2 - lse2[:, None])
             dp = _dot(do, tl.trans(v), DOT_FP32)
             ds = p * (dp - Di[:, None])
@@ -878,18 +936,20 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DQ)
-    def _attn_bwd_dq(Q, K, V, M, RNG, DO, LSE, DELTA, DQ,
+    def _attn_bwd_dq(Q, K, V, M, RNG, DOCS, KVVEC, DO, LSE, DELTA, DQ,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
+                  stride_docb, stride_doce, stride_kvvb,
                      stride_dob, stride_doh, stride_dom, stride_dod,
                      stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                      H, G, S, SKV, OFF, window, sc_mul, out_mul, scaling,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
-                     BLOCK_MAJOR: tl.constexpr):
+                     BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
+                     INT64: tl.constexpr):
         pid_m, bh = _grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         h = bh % H
@@ -897,6 +957,11 @@ if HAVE_TRITON:
         start_m = pid_m * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n0 = tl.arange(0, BLOCK_N)
+        if INT64:
+            b, h, hk, bh = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), bh.to(tl.int64)
+            offs_m, offs_n0 = offs_m.to(tl.int64), offs_n0.to(tl.int64)
+        DST = DOCS + b * stride_docb
+        KVV = KVVEC + b * stride_kvvb
         offs_d = tl.arange(0, BLOCK_D)
         D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
         q_mask = offs_m[:, None] < S
@@ -914,16 +979,20 @@ if HAVE_TRITON:
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         lo, b_, c_, hi = _q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
-                                                OFF, window, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES)
+                                                OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES,
+                                                HAS_DOCS)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
-                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                           HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                           BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32)
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                           BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                           HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
-                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul,
-                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32)
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                           HAS_KVV)
         dq = dq * scaling
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -946,11 +1015,11 @@ if HAVE_TRITON:
         FLAGS[bh, q block] = 1 where the block has such a row (the dK/dV kernel visits only those). A block
         without one returns after reading its lse."""
         pid_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        bh = tl.program_id(1).to(tl.int64)
         b = bh // H
         h = bh % H
         hk = h // G
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=0.0)
         dead = (lse == float("inf")) & (offs_m < S)
@@ -966,7 +1035,7 @@ if HAVE_TRITON:
             pd = tl.where(dead, inv_skv, 0.0)
             dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             for start_n in range(0, SKV, BLOCK_N):
-                offs_n = start_n + tl.arange(0, BLOCK_N)
+                offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
                 kv_mask = (offs_n[:, None] < SKV) & (offs_d[None, :] < HEAD_DIM)
                 k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn
                             + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
@@ -998,10 +1067,10 @@ if HAVE_TRITON:
         """dk, dv += the fully masked rows' share for keys [start_n, start_n + BLOCK_N), over the q blocks
         FLAGS marks (all query heads of this kv head)."""
         pid_n = tl.program_id(0)
-        bhk = tl.program_id(1)
+        bhk = tl.program_id(1).to(tl.int64)
         b = bhk // HKV
         hk = bhk % HKV
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         kv_mask = (offs_n[:, None] < SKV) & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(K + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
@@ -1018,7 +1087,7 @@ if HAVE_TRITON:
                 fl = tl.load(FLAGS + bh * NQB + qb).to(tl.int32)
                 any_ = tl.maximum(any_, fl)
                 if fl != 0:
-                    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+                    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
                     q_mask = (offs_m[:, None] < S) & (offs_d[None, :] < HEAD_DIM)
                     lse = tl.load(LSE + bh * S + offs_m, mask=offs_m < S, other=0.0)
                     dead = (lse == float("inf")) & (offs_m < S)
@@ -1060,6 +1129,38 @@ def _mask_args(mask, B, Hq, S, Skv, like):
     if m.dtype == torch.bool:
         return m.view(torch.uint8), tuple(st), 2
     return m, tuple(st), 1
+
+
+def _recipe_args(doc_ranges, key_valid, like):
+    """The recipe vectors as kernel arguments: (docs, stride_docb, stride_doce, kvv, stride_kvvb, HAS_DOCS,
+    HAS_KVV). ``doc_ranges`` int [2, B|1, S] (start, end of each token's document), ``key_valid`` bool [B|1, Skv];
+    a batch of 1 broadcasts (stride 0). O(B x S) each; absent ones are replaced by a dummy pointer."""
+    docs, sdb, sde, has_docs = like, 0, 0, False
+    if doc_ranges is not None:
+        docs = doc_ranges.to(torch.int32).contiguous()
+        sdb = docs.stride(1) if docs.shape[1] > 1 else 0
+        sde, has_docs = docs.stride(0), True
+    kvv, skb, has_kvv = like, 0, False
+    if key_valid is not None:
+        kvv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
+        skb, has_kvv = (kvv.stride(0) if kvv.shape[0] > 1 else 0), True
+    return docs, sdb, sde, kvv, skb, has_docs, has_kvv
+
+
+# Tests set this to run the 64-bit address path at small sizes.
+FORCE_INT64 = False
+
+
+def _needs_int64(*tensors) -> bool:
+    """Does any tensor's farthest element sit at an offset past 2^31 - 1 (int32 address math would wrap)? Then
+    the kernels compute addresses in 64 bits (a constexpr variant); below that the int32 fast path."""
+    if FORCE_INT64:
+        return True
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            if sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31 - 1:
+                return True
+    return False
 
 
 # Block ranges from a mask tensor (see the module docstring); False = read the mask in every block (benchmarks
@@ -1116,7 +1217,7 @@ def _scalars(scaling, softcap):
 
 
 def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
-                         masked_rows=MASKED_ROWS_ZERO):
+                         masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
     """Launch ``_attn_fwd``. Returns (out contiguous [B, Hq, S, Dh], lse [B, Hq, S] fp32)."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -1129,20 +1230,24 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
 
     ranges = _use_mask_ranges(kind, causal, window)
     vmean = _value_mean(v, Hq // Hkv).contiguous() if masked_rows == MASKED_ROWS_UNIFORM else lse
+    docs, sdb, sde, kvv, skb, has_docs, has_kvv = _recipe_args(doc_ranges, key_valid, lse)
+    int64 = _needs_int64(q, k, v, out, _expand_mask(mask, B, Hq, S, Skv))
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_fwd[_grid(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, rng, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *out.stride(),
+            q, k, v, mt, rng, docs, kvv, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb, sde,
+            skb, *out.stride(),
             Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
             HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=_softcap_mode(softcap, q.dtype),
             MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
             DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges, BLOCK_MAJOR=BLOCK_MAJOR_GRID,
-            MASKED_ROWS=int(masked_rows), num_warps=nw, num_stages=ns)
+            MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv, INT64=int64, num_warps=nw,
+            num_stages=ns)
 
-    _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges), launch)
+    _launch("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv), launch)
     return out, lse
 
 
@@ -1169,7 +1274,7 @@ def _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap,
 
 
 def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, window, config=None,
-                         masked_rows=MASKED_ROWS_ZERO):
+                         masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
     """Launch the three backward kernels. Returns contiguous (dq, dk, dv) in the inputs' dtypes."""
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
@@ -1189,9 +1294,12 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                   IS_CAUSAL=bool(causal),
                   HAS_WINDOW=bool(window), DOT_FP32=dot32)
     ranges = _use_mask_ranges(kind, causal, window)
-    key = (BLOCK_D, q.dtype, kind, bool(window), ranges)
+    docs, sdb, sde, kvv, skb, has_docs, has_kvv = _recipe_args(doc_ranges, key_valid, lse)
+    key = (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv)
     common["MASK_RANGES"] = ranges
     common["BLOCK_MAJOR"] = BLOCK_MAJOR_GRID
+    common.update(HAS_DOCS=has_docs, HAS_KVV=has_kvv,
+                  INT64=_needs_int64(q, k, v, do, dq, dk, dv, _expand_mask(mask, B, Hq, S, Skv)))
 
     def launch_dkdv(c):
         BM, BN, nw, ns, *split = c
@@ -1202,8 +1310,8 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                    else (lse, (0, 0)))
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv[_grid(triton.cdiv(Skv, BN), B * Hkv)](
-                q, k, v, mt, rng, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms, *rs,
-                *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
+                q, k, v, mt, rng, docs, kvv, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms,
+                *rs, sdb, sde, skb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
                 out_mul, float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
                 DO_DV=do_dv, **common)
 
@@ -1211,7 +1319,8 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         BM, BN, nw, ns = c[:4]
         rng, rs = _mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_bwd_dq[_grid(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, rng, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, *do.stride(),
+            q, k, v, mt, rng, docs, kvv, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb,
+            sde, skb, *do.stride(),
             *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling),
             BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, **common)
 

@@ -12,11 +12,12 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 * :func:`lora_linear` — a (frozen) linear layer plus its LoRA adapters, ``x @ W.T + sum_i s_i * dropout_i(x) @
   A_i.T @ B_i.T``, with the dropout masks regenerated from a seed in the backward instead of stored.
 * :func:`softcap_attention` — ``softmax(softcap(q @ k.T * scaling) + mask) @ v`` flash-attention style, GQA
-  without repeating K/V, causal / sliding window / mask tensors.
+  without repeating K/V, causal / sliding window / packed documents / key padding (the mask by recipe, O(S)
+  vectors) or a mask tensor; :func:`document_ranges` turns per-token document ids into the op's ``doc_ranges``.
 """
 from .linear_cross_entropy import linear_cross_entropy
 from .linear_log_probs import linear_log_probs
 from .lora_linear import lora_linear
-from .softcap_attention import softcap_attention
+from .softcap_attention import document_ranges, softcap_attention
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention", "document_ranges"]

@@ -5,7 +5,7 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
 
     node = graph.call_function(
         torch.ops.fxfuse.softcap_attention.default,
-        (q, k, v, mask, scaling, softcap, causal, window, masked_rows))
+        (q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid))
     out = graph.call_function(operator.getitem, (node, 0))
 
     q     Tensor [B, Hq, S, Dh]        bf16 / fp16 / fp32, any strides (HF's transpose(1, 2) views are fine)
@@ -21,8 +21,16 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
     masked_rows int                    what a fully masked query row gives: 0 zeros (SDPA with a bool mask),
                                        1 eager's uniform average over all keys (a finite fill such as HF's
                                        finfo.min), 2 NaN (a -inf fill); see fxfuse.kernels.softcap_attention
+    doc_ranges Tensor or None          int32/int64 [2, B|1, S]: [start, end) of each token's document (packed
+                                       rows): a key is kept only inside its query's document. Documents must be
+                                       contiguous runs; needs causal=True and S == Skv. Build it from per-token
+                                       document ids with :func:`document_ranges` once per step (all layers share it)
+    key_valid Tensor or None           bool [B|1, Skv]: False = padding key, never attended
     ->  out  [B, Hq, S, Dh] contiguous, q.dtype;   lse [B, Hq, S] fp32 (for the backward; +inf on dead rows)
 
+The *recipe* form (what the attention passes hand over when they can read how the mask was built: causal, window,
+``doc_ranges``, ``key_valid``) holds nothing of size S x Skv: the kernels mask from indices and O(S) vectors and
+skip every block outside the causal / window / document ranges.
 Either give the causal / window structure as scalars (blocks outside it are skipped) or through ``mask`` (on
 CUDA its tiles are classified empty / full / partial first, so empty blocks are skipped and the mask is read
 only on partial ones: a causal mask tensor costs ~10% more than causal=True), or both (e.g. causal=True plus a
@@ -50,7 +58,7 @@ from ._autocast import register_autocast_casts
 from ..graph_utils import known_true
 from ..kernels import softcap_attention as _k
 
-__all__ = ["softcap_attention", "check_softcap_attention", "OP_NAME", "BACKWARD_OP_NAME"]
+__all__ = ["softcap_attention", "document_ranges", "check_softcap_attention", "OP_NAME", "BACKWARD_OP_NAME"]
 
 OP_NAME = "fxfuse::softcap_attention"
 BACKWARD_OP_NAME = "fxfuse::softcap_attention_backward"
@@ -59,10 +67,11 @@ MAX_HEAD_DIM = 256
 
 
 # ================================================================================================= contract
-def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0) -> None:
+def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0, doc_ranges=None,
+                            key_valid=None) -> None:
     """The op's contract; raises :class:`~fxfuse.errors.FxFuseContractError`. Symbolic sizes: only a provable
     mismatch raises (the real impl re-checks with concrete sizes)."""
-    c = OpContract(OP_NAME, q=q, k=k, v=v, mask=mask)
+    c = OpContract(OP_NAME, q=q, k=k, v=v, mask=mask, doc_ranges=doc_ranges, key_valid=key_valid)
     for n in ("q", "k", "v"):
         c.ndim(n, 4)
         c.dtype_in(n, _DTYPES)
@@ -90,6 +99,28 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, mas
         c.fail("a sliding window is only supported together with causal=True")
     if masked_rows not in (_k.MASKED_ROWS_ZERO, _k.MASKED_ROWS_UNIFORM, _k.MASKED_ROWS_NAN):
         c.fail(f"masked_rows must be 0 (zeros), 1 (uniform) or 2 (NaN), got {masked_rows!r}")
+    if doc_ranges is not None:
+        c.same_device("q", "doc_ranges")
+        if doc_ranges.dtype not in (torch.int32, torch.int64):
+            c.fail(f"doc_ranges must be int32 / int64 [2, B|1, S], got {doc_ranges.dtype}")
+        c.ndim("doc_ranges", 3)
+        if known_true(doc_ranges.shape[0] != 2) or (known_true(doc_ranges.shape[1] != 1)
+                                                    and known_true(doc_ranges.shape[1] != B)) \
+                or known_true(doc_ranges.shape[2] != S):
+            c.fail(f"doc_ranges {list(doc_ranges.shape)} is not [2, B|1, S] = [2, {B}, {S}]",
+                   "build it with fxfuse.ops.softcap_attention.document_ranges(doc_ids)")
+        if not causal:
+            c.fail("doc_ranges (packed documents) needs causal=True")
+        if known_true(S != Skv):
+            c.fail(f"doc_ranges needs S == Skv (got S {S}, Skv {Skv})")
+    if key_valid is not None:
+        c.same_device("q", "key_valid")
+        if key_valid.dtype != torch.bool:
+            c.fail(f"key_valid must be bool [B|1, Skv] (True = a real key), got {key_valid.dtype}")
+        c.ndim("key_valid", 2)
+        if (known_true(key_valid.shape[0] != 1) and known_true(key_valid.shape[0] != B)) \
+                or known_true(key_valid.shape[1] != Skv):
+            c.fail(f"key_valid {list(key_valid.shape)} is not [B|1, Skv] = [{B}, {Skv}]")
     if mask is not None:
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
             c.fail(f"mask must be bool (True = keep) or an additive float mask, got {mask.dtype}")
@@ -117,16 +148,18 @@ def _use_triton(t: Tensor) -> bool:
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def _softcap_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scaling: float,
-                          softcap: float, causal: bool, window: int, masked_rows: int = 0) -> Tuple[Tensor, Tensor]:
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows)
-    if _use_triton(q):
-        return _k.attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows)
-    return _k.attention_fwd_torch(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows)
+                          softcap: float, causal: bool, window: int, masked_rows: int = 0,
+                          doc_ranges: Optional[Tensor] = None, key_valid: Optional[Tensor] = None
+                          ) -> Tuple[Tensor, Tensor]:
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid)
+    impl = _k.attention_fwd_triton if _use_triton(q) else _k.attention_fwd_torch
+    return impl(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows, doc_ranges=doc_ranges,
+                key_valid=key_valid)
 
 
 @_softcap_attention_op.register_fake
-def _(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0):
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows)
+def _(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0, doc_ranges=None, key_valid=None):
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid)
     B, Hq, S, Dh = q.shape
     out = q.new_empty((B, Hq, S, Dh))  # contiguous, like the real impls
     lse = q.new_empty((B, Hq, S), dtype=torch.float32)
@@ -136,23 +169,23 @@ def _(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0):
 @torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
 def _softcap_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                                    out: Tensor, lse: Tensor, scaling: float, softcap: float, causal: bool,
-                                   window: int, masked_rows: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    if _use_triton(q):
-        return _k.attention_bwd_triton(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window,
-                                       masked_rows=masked_rows)
-    return _k.attention_bwd_torch(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window,
-                                  masked_rows=masked_rows)
+                                   window: int, masked_rows: int = 0, doc_ranges: Optional[Tensor] = None,
+                                   key_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    impl = _k.attention_bwd_triton if _use_triton(q) else _k.attention_bwd_torch
+    return impl(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=masked_rows,
+                doc_ranges=doc_ranges, key_valid=key_valid)
 
 
 @_softcap_attention_backward_op.register_fake
-def _(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=0):
+def _(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=0, doc_ranges=None,
+      key_valid=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scaling, softcap, causal, window, masked_rows = inputs
+    q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.save_for_backward(q, k, v, mask, out, lse, doc_ranges, key_valid)
     ctx.args = (scaling, softcap, causal, window, masked_rows)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros [B, H, S] grad for the auxiliary lse (out's is always defined)
@@ -160,9 +193,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     # lse is an auxiliary output (non-differentiable); its gradient, if any, is ignored.
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fxfuse.softcap_attention_backward(dout, q, k, v, mask, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, mask, out, lse, doc_ranges, key_valid = ctx.saved_tensors
+    dq, dk, dv = torch.ops.fxfuse.softcap_attention_backward(dout, q, k, v, mask, out, lse, *ctx.args, doc_ranges,
+                                                             key_valid)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _softcap_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -177,12 +211,14 @@ register_autocast_casts("softcap_attention", ("q", "k", "v"))
 # ============================================================================================ public function
 def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None,
                       scaling: Optional[float] = None, softcap: Optional[float] = None, causal: bool = False,
-                      window: Optional[int] = None, masked_rows: str = "zero") -> Tensor:
+                      window: Optional[int] = None, masked_rows: str = "zero", doc_ranges: Optional[Tensor] = None,
+                      key_valid: Optional[Tensor] = None) -> Tensor:
     """Gemma-2 eager attention without materialising scores: ``softmax(cap*tanh(q k^T * scaling / cap) +
     mask) @ v`` with GQA, causal / sliding window and a mask tensor. See the module docstring.
 
     ``scaling`` defaults to ``head_dim ** -0.5``; ``softcap`` None/0 = none; ``window`` None/0 = none.
-    ``masked_rows``: what a query row whose every key is masked gives: ``"zero"`` (as SDPA with a bool mask),
+    ``doc_ranges`` (from :func:`document_ranges`) restricts each query to its packed document, ``key_valid`` drops
+    padding keys: the mask by recipe, nothing of size S x Skv anywhere. ``masked_rows``: what a query row whose every key is masked gives: ``"zero"`` (as SDPA with a bool mask),
     ``"uniform"`` (as eager attention with a finite fill such as HF's ``finfo.min`` masks: the mean of v, with
     eager's gradients) or ``"nan"`` (as eager attention with a -inf fill).
     """
@@ -193,9 +229,31 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor]
     modes = {"zero": _k.MASKED_ROWS_ZERO, "uniform": _k.MASKED_ROWS_UNIFORM, "nan": _k.MASKED_ROWS_NAN}
     if masked_rows not in modes:
         OpContract(OP_NAME, q=q).fail(f"masked_rows must be one of {tuple(modes)}, got {masked_rows!r}")
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, modes[masked_rows])
+    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, modes[masked_rows], doc_ranges,
+                            key_valid)
     if mask is not None and mask.requires_grad:
         OpContract(OP_NAME, mask=mask).fail("mask must not require grad (the op gives it no gradient)")
     out, _ = torch.ops.fxfuse.softcap_attention(q, k, v, mask, scaling, softcap, causal, window,
-                                                modes[masked_rows])
+                                                modes[masked_rows], doc_ranges, key_valid)
     return out
+
+
+def document_ranges(doc_ids: Tensor) -> Tensor:
+    """int32 ``[2, B, S]``: the ``[start, end)`` of each token's document, from per-token document ids ``[B, S]``
+    that are constant on each document and change between neighbours (contiguous runs: e.g. HF's
+    ``(diff(position_ids) != 1).cumsum(-1)``). O(B x S), no host sync, traceable at symbolic lengths; computed
+    once per step and shared by every attention layer, forward and backward. A run of equal ids is one document:
+    ids that come back after a different id start a new document here (callers must only pass ids whose equal
+    values are contiguous, as a cumsum guarantees)."""
+    if doc_ids.dim() != 2:
+        OpContract("fxfuse::document_ranges", doc_ids=doc_ids).fail(
+            f"doc_ids must be [B, S], got {list(doc_ids.shape)}")
+    B, S = doc_ids.shape
+    idx = torch.arange(S, device=doc_ids.device, dtype=torch.int32).expand(B, S)
+    change = doc_ids[:, 1:] != doc_ids[:, :-1]  # True where token i + 1 starts a new document
+    edge = torch.ones(B, 1, dtype=torch.bool, device=doc_ids.device)
+    first = torch.cat([edge, change], dim=1)  # token i starts a document
+    last = torch.cat([change, edge], dim=1)  # token i ends a document
+    start = torch.cummax(torch.where(first, idx, 0), dim=1).values
+    end = torch.where(last, idx + 1, S).flip(1).cummin(dim=1).values.flip(1)
+    return torch.stack([start, end]).to(torch.int32)
