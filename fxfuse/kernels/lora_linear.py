@@ -22,10 +22,18 @@ bandwidth-bound passes over [N, din] / [N, dout] tensors. PEFT runs each as its 
   projections' grad x are summed without a separate pass.
 
 Dropout masks: Triton's Philox (``tl.rand``) keyed by a per-call, per-adapter seed (a device tensor drawn from
-torch's generator, so ``torch.manual_seed`` reproduces it and there is no host sync) and the element offset
-``row * din + col`` (32-bit, so the pattern repeats after 2**32 elements of x in one call). The CPU path uses
+torch's generator, so ``torch.manual_seed`` reproduces it and there is no host sync) and the counter
+``row * ceil(din / 8) + col // 8`` (one per 8 elements; 32-bit on purpose, whatever the index width below, so the
+pattern repeats after 2**35 elements of x in one call). The CPU path uses
 torch's CPU generator per 256-row block, keyed by the same seed; the two paths draw different (equally
 distributed) masks. :func:`dropout_keep_mask` returns the mask a path uses, for references in tests.
+
+64-bit offsets: the kernels address x, V / gV, grad x's low-rank term and the mask as ``rows * stride + cols``,
+which wraps in int32 once a tensor has more than 2**31 elements (an 8B down_proj, in_features 14336, at ~150k
+tokens in one call). As Inductor does, the launchers keep int32 index math while every offset the kernel can form
+into those tensors fits in int32 and otherwise set the constexpr ``INT64_IDX`` (:func:`needs_int64_idx`), under
+which the row indices are int64 before they meet a stride. The flag flips only past 2**31 elements: normal sizes
+compile and run the same kernels as before. A and grad A ([R, din], R = the adapters' ranks) stay int32 (checked).
 """
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ import torch
 
 from ._triton import HAVE_TRITON, tl, triton
 
-__all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds"]
+__all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
+           "max_offset", "needs_int64_idx"]
 
 #: Run the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1); for tests.
 FORCE_TRITON = os.environ.get("FXFUSE_LORA_FORCE_TRITON", "0") == "1"
@@ -49,6 +58,9 @@ UP_BWD_CONFIG = dict(BM=32, BK=128, num_warps=4, num_stages=3)
 MASK_CONFIG = dict(ROUNDS=10, EXPAND=0)
 #: CPU path: rows per dropout-mask block (each block has its own generator state, so any block regenerates alone).
 CPU_MASK_ROWS = 256
+#: Run the kernels' 64-bit index path (``INT64_IDX``) at any size; for tests (it must compute what int32 does).
+FORCE_INT64_IDX = False
+INT32_MAX = 2**31 - 1
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -80,8 +92,49 @@ def _rank_pad(r: int) -> int:
     return max(16, triton.next_power_of_2(r))  # tl.dot needs every dimension >= 16
 
 
+# ================================================================================================ 64-bit offsets
+def max_offset(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """The largest element offset ``sum_d (size_d - 1) * stride_d`` into a tensor of this layout (0 if empty)."""
+    off = 0
+    for n, st in zip(shape, strides):
+        if n == 0:
+            return 0
+        off += (n - 1) * st
+    return off
+
+
+def needs_int64_idx(*layouts) -> bool:
+    """Whether a kernel addressing these tensors must form its element offsets in 64 bits: some offset it can reach
+    (``max_offset``) passes 2**31 - 1. Each layout is a tensor or a (shape, strides) pair of ints."""
+    for t in layouts:
+        shape, strides = (t.shape, t.stride()) if isinstance(t, torch.Tensor) else t
+        if max_offset(shape, strides) > INT32_MAX:
+            return True
+    return False
+
+
+def _int64_idx(*tensors: torch.Tensor) -> bool:
+    """The launchers' ``INT64_IDX``: :func:`needs_int64_idx` of the [N, .] tensors the kernel addresses."""
+    return FORCE_INT64_IDX or needs_int64_idx(*tensors)
+
+
+def _check_int32_adapters(*tensors: torch.Tensor) -> None:
+    """A / grad A ([R, din]) are addressed with int32 offsets in every variant of the kernels."""
+    for t in tensors:
+        if max_offset(t.shape, t.stride()) > INT32_MAX:
+            raise ValueError(f"lora_linear: the adapters' A {tuple(t.shape)} has more than 2**31 elements")
+
+
 # ================================================================================================ Triton kernels
 if HAVE_TRITON:
+
+    @triton.jit
+    def _tile_rows(row0, BM: tl.constexpr, INT64_IDX: tl.constexpr):
+        """Row indices row0 + [0, BM) of a tile, int64 under INT64_IDX: ``rows * stride`` then cannot wrap."""
+        rows = row0 + tl.arange(0, BM)
+        if INT64_IDX:
+            rows = rows.to(tl.int64)
+        return rows
 
     @triton.jit
     def _keep_mask(seed, row0, col0, din, thresh, BM: tl.constexpr, BK: tl.constexpr, ROUNDS: tl.constexpr,
@@ -115,10 +168,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _keep_mask_kernel(out_ptr, seed_ptr, N, DIN, thresh, BM: tl.constexpr, BK: tl.constexpr,
-                          ROUNDS: tl.constexpr, EXPAND: tl.constexpr):
+                          ROUNDS: tl.constexpr, EXPAND: tl.constexpr, INT64_IDX: tl.constexpr):
         row0 = tl.program_id(0) * BM
         col0 = tl.program_id(1) * BK
-        rows = row0 + tl.arange(0, BM)
+        rows = _tile_rows(row0, BM, INT64_IDX)
         cols = col0 + tl.arange(0, BK)
         keep = _keep_mask(tl.load(seed_ptr), row0, col0, DIN, thresh, BM, BK, ROUNDS, EXPAND)
         inb = (rows < N)[:, None] & (cols < DIN)[None, :]
@@ -157,12 +210,12 @@ if HAVE_TRITON:
         v_ptr, stride_v,          # [N, NA * r]: the run's columns of V
         seed_ptr, N, DIN, R, thresh, scale,
         BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, NA: tl.constexpr, DOT_F32: tl.constexpr,
-        ROUNDS: tl.constexpr, EXPAND: tl.constexpr,
+        ROUNDS: tl.constexpr, EXPAND: tl.constexpr, INT64_IDX: tl.constexpr,
     ):
         """V_k[rows] = s * (keep_k * x[rows]) @ A_k.T / (1 - p) for the run's NA adapters: one read of x, the masks
         never leave registers, the scaling s rides along (V is saved scaled: grad B = gy.T @ V needs no rescale)."""
         row0 = tl.program_id(0) * BM
-        rows = row0 + tl.arange(0, BM)
+        rows = _tile_rows(row0, BM, INT64_IDX)
         rr = tl.arange(0, RP)
         s0 = tl.load(seed_ptr)
         s1 = s0
@@ -243,7 +296,7 @@ if HAVE_TRITON:
         seed_ptr, N, DIN, R, thresh, scale,
         BM: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr, NA: tl.constexpr,
         WRITE_C: tl.constexpr, ACCUMULATE: tl.constexpr, WRITE_GA: tl.constexpr, DOT_F32: tl.constexpr,
-        ROUNDS: tl.constexpr, EXPAND: tl.constexpr,
+        ROUNDS: tl.constexpr, EXPAND: tl.constexpr, INT64_IDX: tl.constexpr,
     ):
         """Both dropout-side gradients of a run of adapters from one read of each [BM, BK] tile of x (and one
         write of grad x's low-rank term for the whole run), each adapter's mask regenerated once per tile.
@@ -279,7 +332,7 @@ if HAVE_TRITON:
         acc3 = tl.zeros((BK, RP), dtype=tl.float32)
         for mb in range(split, tl.cdiv(N, BM), nsplit):
             row0 = mb * BM
-            rows = row0 + tl.arange(0, BM)
+            rows = _tile_rows(row0, BM, INT64_IDX)
             inb = (rows < N)[:, None] & (cols < DIN)[None, :]
             if WRITE_GA:
                 x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=inb, other=0.0)
@@ -339,7 +392,8 @@ def dropout_keep_mask(seed: torch.Tensor, N: int, din: int, p: float, device) ->
         seed_d = seed.reshape(1).to(dev)
         if N and din:
             _keep_mask_kernel[(triton.cdiv(N, 32), triton.cdiv(din, 32))](
-                out, seed_d, N, din, _dropout_threshold(p)[0], BM=32, BK=32, **MASK_CONFIG)
+                out, seed_d, N, din, _dropout_threshold(p)[0], BM=32, BK=32, **MASK_CONFIG,
+                INT64_IDX=_int64_idx(out))
         return out.bool()
     return _cpu_keep(int(seed), 0, N, din, p).to(dev)
 
@@ -396,9 +450,11 @@ def _down_dropout(x, A_run, V_run, seeds_run, na, r, s, p):
         if N == 0:
             return
         cfg = DOWN_CONFIG
+        _check_int32_adapters(A_run)
         _lora_down_kernel[(triton.cdiv(N, cfg["BM"]),)](
             x, x.stride(0), A_run, A_run.stride(0), V_run, V_run.stride(0), seeds_run, N, din, r, thresh, s * inv,
-            RP=_rank_pad(r), NA=na, DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg)
+            RP=_rank_pad(r), NA=na, DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg,
+            INT64_IDX=_int64_idx(x, V_run))
         return
     inv = 1.0 / (1.0 - p)
     for k in range(na):
@@ -463,12 +519,14 @@ def _up_dropout_bwd(gV_run, A_run, x, C, ga32_run, seeds_run, na, r, s, p, write
         sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
             if x.is_cuda else 4
         nsplit = max(1, min(triton.cdiv(N, BM), (2 * sms) // ncol))
+        _check_int32_adapters(A_run, *((ga32_run,) if write_ga else ()))
+        int64_idx = _int64_idx(gV_run, x, *((C,) if write_c else ()))
         _lora_up_dropout_bwd_kernel[(ncol, nsplit)](
             gV_run, gV_run.stride(0), A_run, A_run.stride(0), x, x.stride(0),
             C if write_c else x, C.stride(0) if write_c else 0, ga32_run if write_ga else x,
             ga32_run.stride(0) if write_ga else 0, seeds_run, N, din, r, thresh, s * inv, RP=_rank_pad(r), NA=na,
             WRITE_C=write_c, ACCUMULATE=accumulate, WRITE_GA=write_ga,
-            DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg)
+            DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg, INT64_IDX=int64_idx)
         return
     inv = 1.0 / (1.0 - p)
     step = CPU_MASK_ROWS * 8
