@@ -62,6 +62,14 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "logical_not": ("input",),
     "invert": ("input",),
     "repeat_interleave": ("input", "repeats", "dim", "output_size"),
+    # index arithmetic of attention-mask builders (passes/_mask_recipe.py)
+    "arange": ("start", "end", "step"),
+    "le": ("input", "other"), "lt": ("input", "other"), "ge": ("input", "other"), "gt": ("input", "other"),
+    "eq": ("input", "other"), "ne": ("input", "other"),
+    "and": ("input", "other"), "or": ("input", "other"),
+    "cumsum": ("input", "dim", "dtype"),
+    "diff": ("input", "n", "dim", "prepend", "append"),
+    "new_ones": ("input", "size"), "new_zeros": ("input", "size"), "ones": ("size",), "zeros": ("size",),
 }
 
 _FUNCTIONS: Dict[Any, str] = {
@@ -87,6 +95,12 @@ _FUNCTIONS: Dict[Any, str] = {
     F.dropout: "dropout", torch.dropout: "dropout",
     torch.masked_fill: "masked_fill", torch.where: "where", torch.logical_not: "logical_not",
     operator.invert: "invert", torch.bitwise_not: "invert", torch.repeat_interleave: "repeat_interleave",
+    torch.arange: "arange",
+    torch.le: "le", operator.le: "le", torch.lt: "lt", operator.lt: "lt", torch.ge: "ge", operator.ge: "ge",
+    torch.gt: "gt", operator.gt: "gt", torch.eq: "eq", operator.eq: "eq", torch.ne: "ne", operator.ne: "ne",
+    operator.and_: "and", torch.logical_and: "and", torch.bitwise_and: "and",
+    operator.or_: "or", torch.logical_or: "or", torch.bitwise_or: "or",
+    torch.cumsum: "cumsum", torch.diff: "diff", torch.ones: "ones", torch.zeros: "zeros",
 }
 
 _METHODS: Dict[str, str] = {
@@ -99,6 +113,10 @@ _METHODS: Dict[str, str] = {
     "sum": "sum", "mean": "mean", "expand": "expand",
     "masked_fill": "masked_fill", "logical_not": "logical_not", "bitwise_not": "invert",
     "repeat_interleave": "repeat_interleave",
+    "le": "le", "lt": "lt", "ge": "ge", "gt": "gt", "eq": "eq", "ne": "ne", "__le__": "le", "__lt__": "lt",
+    "__ge__": "ge", "__gt__": "gt", "__eq__": "eq", "__ne__": "ne",
+    "logical_and": "and", "bitwise_and": "and", "__and__": "and", "logical_or": "or", "bitwise_or": "or",
+    "__or__": "or", "cumsum": "cumsum", "diff": "diff", "new_ones": "new_ones", "new_zeros": "new_zeros",
 }
 
 # ops that move or relabel elements but never change a value

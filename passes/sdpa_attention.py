@@ -46,6 +46,7 @@ from fxfuse.graph_utils import copy_node_meta, erase_unused, known_true, node_va
 from fxfuse.registry import register_pass
 
 from ._attention_match import _unrepeat, head_dim_pads, known_number, pad_head_dims, slice_head_dim
+from ._mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
 
 NAME = "sdpa_attention"
 _SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
@@ -140,7 +141,24 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
         return None, "default scale with a symbolic head_dim"
     n_rep = Hq if broadcast_kv else max(nk, 1)
     return dict(q=q, k=k, v=v, mask=mask, scale=float(scale), n_rep=n_rep, repeat_nodes=krep + vrep,
-                cast_to=cast_to, pads=pads, v_head_dim=vv.shape[3]), ""
+                cast_to=cast_to, pads=pads, v_head_dim=vv.shape[3], shape=(B, S, kv.shape[2])), ""
+
+
+def _causal_sdpa(g: fx.Graph, n: fx.Node) -> fx.Node:
+    """The same SDPA call with ``is_causal=True`` and no mask (cuDNN's / flash's causal kernels)."""
+    args, kwargs = list(n.args), dict(n.kwargs)
+    if len(args) > 3:
+        args[3] = None
+    else:
+        kwargs["attn_mask"] = None
+    if len(args) > 5:
+        args[5] = True
+    else:
+        kwargs["is_causal"] = True
+    with g.inserting_before(n):
+        new = g.call_function(n.target, tuple(args), kwargs)
+    new.meta.update(n.meta)
+    return new
 
 
 @register_pass(name=NAME, order=46,
@@ -148,6 +166,7 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
                            "batches) -> fxfuse::softcap_attention, empty mask tiles skipped")
 def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
+    inputs, recipes = RecipeInputs(), []
     for mod in ctx.graph_modules(gm):
         g = mod.graph
         changed = 0
@@ -159,6 +178,21 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                 if why:
                     ctx.skipped(n, "SDPA with a mask", why)
                 continue
+            recipe, no_recipe = read_mask_recipe(m["mask"], gm, *m["shape"], kind="bool")
+            if recipe is not None and recipe.plain_causal:
+                # a causal mask at any length (HF materialises it at symbolic lengths): SDPA's own causal kernels
+                new = _causal_sdpa(g, n)
+                n.replace_all_uses_with(new)
+                g.erase_node(n)
+                mark_mask(recipe)
+                recipes.append(recipe)
+                ctx.fused(new, "SDPA with a causal mask tensor -> is_causal=True (mask read from its recipe)",
+                          recipe=recipe.describe())
+                changed += 1
+                continue
+            doc_ranges = key_valid = None
+            if recipe is not None:
+                doc_ranges, key_valid = inputs.vectors(recipe)
             with g.inserting_before(n):
                 q, k, v = m["q"], m["k"], m["v"]
                 if m["cast_to"] is not None:
@@ -166,8 +200,11 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                     for t in (q, k, v):
                         copy_node_meta(t, n)
                 q, k, v = pad_head_dims(g, q, k, v, m["pads"], n)  # v head_dim != q's (MLA): zero columns
-                node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
-                                       (q, k, v, m["mask"], m["scale"], 0.0, False, 0, 0))
+                if recipe is not None:  # nothing of size S x Skv: causal / window / documents / padding vectors
+                    op_args = (q, k, v, None, m["scale"], 0.0, True, recipe.window, 0, doc_ranges, key_valid)
+                else:
+                    op_args = (q, k, v, m["mask"], m["scale"], 0.0, False, 0, 0)
+                node = g.call_function(torch.ops.fxfuse.softcap_attention.default, op_args)
                 out = g.call_function(operator.getitem, (node, 0))
                 copy_node_meta(out, n)
                 out = slice_head_dim(g, out, m["pads"], m["v_head_dim"], n)
@@ -175,10 +212,16 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
             n.replace_all_uses_with(out)
             g.erase_node(n)
             erased = erase_unused(g, m["repeat_nodes"])
+            if recipe is not None:
+                mark_mask(recipe)
+                recipes.append(recipe)
             mv = node_val(m["mask"])
             pad_note = (f", head dims q/k +{m['pads'][0]} v +{m['pads'][1]} zero columns" if any(m["pads"]) else "")
-            ctx.fused(node, f"SDPA with a bool mask -> fused attention (GQA {m['n_rep']}:1, scale {m['scale']:.6g}"
-                      f"{pad_note})", head_dim_pads=list(m["pads"]),
+            how = f"mask recipe {recipe.describe()}" if recipe is not None else "mask tensor"
+            ctx.fused(node, f"SDPA with a bool mask -> fused attention ({how}, GQA {m['n_rep']}:1, "
+                      f"scale {m['scale']:.6g}{pad_note})", head_dim_pads=list(m["pads"]),
+                      recipe=recipe.describe() if recipe is not None else None,
+                      mask_tensor_kept=None if recipe is not None else no_recipe,
                       mask_shape=[str(s) for s in mv.shape], n_rep=m["n_rep"], masked_rows="zeros",
                       autocast_dtype=str(m["cast_to"]) if m["cast_to"] is not None else None,
                       erased=[e.name for e in erased])
@@ -186,4 +229,6 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
         if changed:
             mod.recompile()
         count += changed
+    if recipes:
+        erase_dead_masks(gm, recipes, inputs)
     return count

@@ -55,12 +55,26 @@ from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val, numel_hin
 from fxfuse.registry import register_pass
 
 from ._attention_match import AttentionSite, append_sink_key, match_attention, pad_head_dims, slice_head_dim
+from ._mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
 
 NAME = "softcap_attention"
 _VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
 
 
-def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
+def _recipe_of(site: AttentionSite, root: fx.GraphModule):
+    """The site's mask read from how it was built, or (None, why the mask tensor is kept)."""
+    if site.mask is None:
+        return None, ""
+    if site.mask_negate:
+        return None, "the mask is negated at the site (masked_fill(mask, -inf) of a mask not written as ~keep)"
+    if site.sinks is not None:
+        return None, "attention sinks append a key the recipe does not describe"
+    qv, kv = node_val(site.q), node_val(site.k if site.k is not None else site.k_t)
+    skv = kv.shape[2] if site.k is not None else kv.shape[3]
+    return read_mask_recipe(site.mask, root, qv.shape[0], qv.shape[2], skv, kind=site.mask_kind)
+
+
+def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=None) -> None:
     g = gm.graph
     with g.inserting_before(site.pv):
         k = site.k
@@ -68,6 +82,12 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
             k = g.call_method("transpose", (site.k_t, -2, -1))
             copy_node_meta(k, site.qk)
         mask = site.mask
+        causal, window, masked_rows, doc_ranges, key_valid = False, 0, site.masked_rows, None, None
+        if recipe is not None:  # the mask from its recipe: nothing of size S x Skv reaches the op
+            mask, causal, window = None, True, recipe.window
+            doc_ranges, key_valid = inputs.vectors(recipe)
+            if recipe.fill is not None:  # additive: a -inf fill gives eager's NaN rows, a finite one uniform rows
+                masked_rows = 2 if recipe.fill == float("-inf") else 1
         if mask is not None and site.mask_negate:
             mask = g.call_function(torch.logical_not, (mask,))
             copy_node_meta(mask, site.qk)
@@ -86,7 +106,8 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
             mask = parts[3] if mask is not None else None
         q, k, v = pad_head_dims(g, q, k, v, site.pads, site.qk)  # v head_dim != q's (MLA): zero columns
         node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
-                               (q, k, v, mask, site.scaling, site.softcap, False, 0, site.masked_rows))
+                               (q, k, v, mask, site.scaling, site.softcap, causal, window, masked_rows, doc_ranges,
+                                key_valid))
         out = g.call_function(operator.getitem, (node, 0))
         copy_node_meta(out, site.qk)
         out = slice_head_dim(g, out, site.pads, site.v_head_dim, site.qk)
@@ -101,6 +122,7 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx) -> None:
                            "repeat_kv) -> fxfuse::softcap_attention")
 def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
+    inputs, recipes = RecipeInputs(), []
     for mod in ctx.graph_modules(gm):
         g = mod.graph
         sites = [n for n in g.nodes if n.op in ("call_function", "call_method") and op_kind(n) == "softmax"]
@@ -114,7 +136,11 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                     ctx.skipped(sm, "attention", why)
                 continue
             score_numel = numel_hint(node_val(site.qk))
-            node = _rewrite(mod, site, ctx)
+            recipe, no_recipe = _recipe_of(site, gm)
+            node = _rewrite(mod, site, ctx, recipe, inputs)
+            if recipe is not None:
+                mark_mask(recipe)
+                recipes.append(recipe)
             erased = erase_unused(g, site.nodes)
             # What is no longer materialised: every erased [B, Hq, S, Skv]-sized tensor (scores, their softcapped /
             # masked / fp32 / cast copies, the probabilities) and the repeated k / v, each once in the forward and
@@ -126,13 +152,17 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                     saved += 2 * numel_hint(v) * v.element_size()
             detail = dict(scaling=site.scaling, softcap=site.softcap, mask=site.mask_kind,
                           mask_node=site.mask.name if site.mask is not None else None, n_rep=site.n_rep,
-                          causal=False, window=0, dropout=site.dropout, scores_numel=score_numel,
+                          causal=recipe is not None, window=recipe.window if recipe is not None else 0,
+                          recipe=recipe.describe() if recipe is not None else None,
+                          mask_tensor_kept=no_recipe or None, dropout=site.dropout, scores_numel=score_numel,
                           masked_rows=("zeros", "uniform", "nan")[site.masked_rows],
                           autocast_dtype=str(site.cast_to) if site.cast_to is not None else None,
                           head_dim_pads=list(site.pads), sinks=site.sinks.name if site.sinks is not None else None,
                           erased=[n.name for n in erased])
             op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"
-                  f"scaling {site.scaling:.6g}, {site.mask_kind} mask, GQA {site.n_rep}:1"
+                  f"scaling {site.scaling:.6g}, "
+                  + (f"mask recipe {recipe.describe()}" if recipe is not None else f"{site.mask_kind} mask")
+                  + f", GQA {site.n_rep}:1"
                   + (", attention sinks" if site.sinks is not None else "")
                   + (f", head dims q/k +{site.pads[0]} v +{site.pads[1]} zero columns" if any(site.pads) else "")
                   + ")")
@@ -141,4 +171,6 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
         if changed:
             mod.recompile()
         count += changed
+    if recipes:
+        erase_dead_masks(gm, recipes, inputs)
     return count

@@ -20,4 +20,5 @@ from .linear_log_probs import linear_log_probs
 from .lora_linear import lora_linear
 from .softcap_attention import document_ranges, softcap_attention
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention", "document_ranges"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention"]  # the fused ops
+# document_ranges (also importable from here) is the helper that builds softcap_attention's doc_ranges
