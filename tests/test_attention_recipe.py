@@ -1,0 +1,261 @@
+"""Attention from its mask's recipe: causal / window / packed documents / key padding as scalars and O(S) vectors.
+
+* The op's recipe path against float64 (forward and every gradient), on the PyTorch path and under the Triton
+  interpreter, beside eager's own float64 distance; a hypothesis property test over random document boundaries,
+  left / right / mixed padding, windows, GQA ratios and softcap against the same mask given as a tensor.
+* Tiny HF models compiled as users compile them (a new length every batch), packed and padded: each attention
+  site reads its recipe, the loss and gradients equal eager's, and no graph fxfuse hands on (the rewritten Dynamo
+  graph with its checkpoint bodies, AOTAutograd's forward and backward) holds a tensor with two sequence-length
+  dims: nothing of size S x S is computed, saved for the backward or passed to an op.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fxfuse
+from fxfuse.kernels import softcap_attention as K
+from fxfuse.ops import document_ranges, softcap_attention
+
+from conftest import fused_sites, grads_of, tiny_causal_lm
+
+
+def _ids(B, S, bounds):
+    ids = torch.zeros(B, S, dtype=torch.long)
+    for b in range(B):
+        for x in bounds[b]:
+            ids[b, x:] += 1
+    return ids
+
+
+def _case(B, Hq, Hkv, S, D, bounds, valid=None, softcap=0.0, window=0, masked_rows="zero", dtype=torch.float32,
+          seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, S, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, Hq, S, D, generator=g).to(dtype)
+    ids = _ids(B, S, bounds)
+    keep = ids[:, :, None] == ids[:, None, :]  # the documents as a mask tensor, from the ids (not the ranges)
+    if valid is not None:
+        keep = keep & valid[:, None, :]
+    return q, k, v, do, ids, keep[:, None]
+
+
+def _grads(out, q, k, v, do):
+    return [out, *torch.autograd.grad(out, (q, k, v), do)]
+
+
+def test_document_ranges_are_each_tokens_document_run():
+    ids = torch.tensor([[0, 0, 1, 1, 1, 4], [2, 3, 3, 3, 3, 3]])
+    r = document_ranges(ids)
+    assert r.dtype == torch.int32 and r.shape == (2, 2, 6)
+    assert r[0].tolist() == [[0, 0, 2, 2, 2, 5], [0, 1, 1, 1, 1, 1]]
+    assert r[1].tolist() == [[2, 2, 5, 5, 5, 6], [1, 6, 6, 6, 6, 6]]
+
+
+CASES = [  # B, Hq, Hkv, S, D, document starts per row, padding, softcap, window, masked_rows
+    (2, 4, 2, 37, 16, [[5, 17, 30], [1, 36]], None, 0.0, 0, "zero"),
+    (1, 4, 1, 64, 32, [[3, 40]], None, 20.0, 0, "zero"),
+    (2, 2, 1, 70, 16, [[10, 33], [2]], None, 0.0, 9, "zero"),
+    (2, 2, 2, 50, 16, [[20], []], "left+right", 0.0, 0, "zero"),
+    (2, 2, 2, 50, 16, [[20], []], "left+right", 30.0, 7, "uniform"),
+]
+
+
+def _padding(kind, B, S):
+    if kind is None:
+        return None
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[0, :7] = False  # left padding: the first query rows see no key at all
+    valid[1, S - 6:] = False  # right padding
+    return valid
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_recipe_op_matches_float64_within_eager(case, impl, monkeypatch):
+    if impl == "triton" and (not K.HAVE_TRITON or not K.interpreting()):
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    if impl == "triton" and case not in (0, 4):
+        pytest.skip("two cases under the interpreter are enough (slow)")
+    monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", impl)
+    B, Hq, Hkv, S, D, bounds, pad, softcap, window, mr = CASES[case]
+    valid = _padding(pad, B, S)
+    q, k, v, do, ids, keep = _case(B, Hq, Hkv, S, D, bounds, valid, dtype=torch.bfloat16)
+    got = _grads(softcap_attention(q, k, v, scaling=0.3, softcap=softcap, causal=True, window=window,
+                                   doc_ranges=document_ranges(ids), key_valid=valid, masked_rows=mr), q, k, v, do)
+    mr_i = {"zero": 0, "uniform": 1}[mr]
+    ref = _grads(K.attention_reference(q, k, v, keep, 0.3, softcap, True, window, masked_rows=mr_i), q, k, v,
+                 do.double())
+    eager = _grads(K.attention_reference(q, k, v, keep, 0.3, softcap, True, window, dtype=torch.bfloat16,
+                                         masked_rows=mr_i), q, k, v, do)
+    for name, a, b, e in zip(("out", "dq", "dk", "dv"), got, ref, eager):
+        err, eager_err = (a.double() - b).abs().max().item(), (e.double() - b).abs().max().item()
+        assert err <= 2 * eager_err + 1e-6, f"{name}: fxfuse {err:.3g} vs eager bf16 {eager_err:.3g} from float64"
+
+
+@pytest.mark.parametrize("int64", [False, True])
+def test_triton_recipe_path_with_64_bit_addresses(int64, monkeypatch):
+    if not K.HAVE_TRITON or not K.interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", "triton")
+    monkeypatch.setattr(K, "FORCE_INT64", int64)
+    q, k, v, do, ids, keep = _case(1, 2, 1, 40, 16, [[9, 25]], seed=3)
+    got = _grads(softcap_attention(q, k, v, causal=True, window=13, doc_ranges=document_ranges(ids)), q, k, v, do)
+    ref = _grads(K.attention_reference(q, k, v, keep, None, 0.0, True, 13), q, k, v, do.double())
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_property_recipe_equals_the_same_mask_as_a_tensor(data):
+    """Random documents, padding, windows, GQA and softcap: the recipe path gives what the mask-tensor path gives
+    for the mask those recipes describe (PyTorch path, fp32)."""
+    B = data.draw(st.integers(1, 2))
+    S = data.draw(st.integers(2, 40))
+    Hkv = data.draw(st.sampled_from([1, 2]))
+    Hq = Hkv * data.draw(st.sampled_from([1, 2, 3]))
+    bounds = [sorted(set(data.draw(st.lists(st.integers(1, S - 1), max_size=4)))) for _ in range(B)]
+    window = data.draw(st.sampled_from([0, 1, 3, 8]))
+    softcap = data.draw(st.sampled_from([0.0, 5.0]))
+    pad = data.draw(st.sampled_from(["none", "left", "right", "mixed"]))
+    valid = None
+    if pad != "none":
+        valid = torch.ones(B, S, dtype=torch.bool)
+        n = data.draw(st.integers(0, S))
+        if pad in ("left", "mixed"):
+            valid[0, :n] = False
+        if pad in ("right", "mixed"):
+            valid[-1, S - n:] = False
+    mr = data.draw(st.sampled_from(["zero", "uniform"]))
+    q, k, v, do, ids, keep = _case(B, Hq, Hkv, S, 8, bounds, valid, seed=data.draw(st.integers(0, 99)))
+    kw = dict(scaling=0.5, softcap=softcap, causal=True, window=window, masked_rows=mr)
+    got = _grads(softcap_attention(q, k, v, doc_ranges=document_ranges(ids), key_valid=valid, **kw), q, k, v, do)
+    want = _grads(softcap_attention(q, k, v, mask=keep, **kw), q, k, v, do)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_recipe_contract_errors_name_the_problem():
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(fxfuse.FxFuseContractError, match="needs causal=True"):
+        softcap_attention(q, q, q, doc_ranges=document_ranges(torch.zeros(1, 8, dtype=torch.long)))
+    with pytest.raises(fxfuse.FxFuseContractError, match="key_valid"):
+        softcap_attention(q, q, q, causal=True, key_valid=torch.ones(1, 7, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------- models, as users compile
+def _two_symbolic_dims(graphs):
+    """Nodes whose tensor has two or more symbolic (sequence-length) dims, in any of ``graphs``."""
+    hits = []
+    for gm in graphs:
+        for m in gm.modules():
+            if not isinstance(m, torch.fx.GraphModule):
+                continue
+            for n in m.graph.nodes:
+                v = n.meta.get("val", n.meta.get("example_value"))
+                if isinstance(v, torch.Tensor) and sum(not isinstance(s, int) for s in v.shape) >= 2:
+                    hits.append(f"{n.format_node()} {tuple(v.shape)}")
+    return hits
+
+
+@pytest.fixture
+def captured_graphs(monkeypatch):
+    """fxfuse with compiler="aot_eager", recording the rewritten Dynamo graph and AOTAutograd's forward and
+    backward graphs of every compile."""
+    import torch._dynamo.backends.debugging as dbg
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def keep(gm, _):
+        seen.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def recording_aot_eager(gm, example_inputs):
+        seen.append(gm)
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    monkeypatch.setattr(dbg, "aot_eager", recording_aot_eager)
+    return seen
+
+
+MODELS = [  # arch, attention implementation, layout, recipe names expected at the attention sites
+    ("llama", "sdpa", "packed", {"causal + documents"}, {}),
+    ("llama", "sdpa", "padded", {"causal + key padding"}, {}),
+    ("mistral", "sdpa", "packed", {"causal + window 6 + documents"}, {"sliding_window": 6}),
+    ("qwen3", "sdpa", "padded", {"causal + key padding", "causal + window 6 + key padding"},
+     {"sliding_window": 6, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}),
+    ("gemma2", "eager", "padded", {"causal + window 6 + key padding", "causal + key padding"}, {"sliding_window": 6}),
+    ("gemma3", "eager", "packed", {"causal + window 6 + documents", "causal + documents"}, {"sliding_window": 6}),
+]
+
+
+def _batch(layout, n, g):
+    ids = torch.randint(0, 128, (2, n), generator=g)
+    kw = dict(use_cache=False, labels=ids.clone())
+    if layout == "padded":  # left padding in row 0 (its first queries see no key), right padding in row 1
+        am = torch.ones(2, n, dtype=torch.long)
+        am[0, :4] = 0
+        am[1, n - 5:] = 0
+        kw["labels"][am == 0] = -100
+        kw["attention_mask"] = am
+    else:  # packed: three documents per row, position ids restart
+        cuts = [0, n // 3, n - 4, n]
+        kw["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None].expand(2, n)
+    return ids, kw
+
+
+@pytest.mark.parametrize("arch,attn,layout,recipes,cfg", MODELS, ids=[f"{m[0]}-{m[2]}" for m in MODELS])
+def test_models_attend_from_the_recipe_with_no_s_by_s_tensor(arch, attn, layout, recipes, cfg, captured_graphs):
+    torch.manual_seed(0)
+    model = tiny_causal_lm(arch, attn_implementation=attn, **cfg)
+    compiled = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})
+    g = torch.Generator().manual_seed(0)
+    for n in (17, 22, 29):  # static, then symbolic: the symbolic graph serves every later length
+        ids, kw = _batch(layout, n, g)
+        model.zero_grad()
+        ref = model(input_ids=ids, **kw).loss
+        ref.backward()
+        ref_grads = grads_of(model)
+        model.zero_grad()
+        got = compiled(input_ids=ids, **kw).loss
+        got.backward()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for name, gr in grads_of(model).items():
+            torch.testing.assert_close(gr, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    rep = fxfuse.report()  # the symbolic-length graph's report
+    sites = fused_sites("sdpa_attention", rep) + fused_sites("softcap_attention", rep)
+    assert {s.detail.get("recipe") for s in sites} == recipes
+    symbolic = [gm for gm in captured_graphs
+                if any(not isinstance(s, int) for n in gm.graph.nodes if n.op == "placeholder"
+                       for s in getattr(n.meta.get("val", n.meta.get("example_value")), "shape", ()))]
+    assert symbolic, "no symbolic-length graph was compiled"
+    assert _two_symbolic_dims(symbolic) == []
+
+
+def test_checkpointed_layers_get_the_recipe_vectors_not_the_mask(captured_graphs):
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    compiled = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})
+    g = torch.Generator().manual_seed(1)
+    for n in (17, 23):
+        ids, kw = _batch("packed", n, g)
+        ref = model(input_ids=ids, **kw).loss
+        got = compiled(input_ids=ids, **kw).loss
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    rep = fxfuse.report()
+    assert {s.detail.get("recipe") for s in fused_sites("sdpa_attention", rep)} == {"causal + documents"}
+    dynamo_graph = captured_graphs[-3]  # the rewritten Dynamo graph of the symbolic compile (then AOT fw, bw)
+    assert _two_symbolic_dims([dynamo_graph]) == []
+    bodies = [m for name, m in dynamo_graph.named_modules() if name.startswith("wrap_body")]
+    assert bodies and all(any(n.name.startswith("fxfuse_") for n in b.graph.nodes if n.op == "placeholder")
+                          for b in bodies)
