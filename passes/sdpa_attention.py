@@ -1,12 +1,20 @@
-"""Run ``scaled_dot_product_attention`` given a bool mask tensor through fxfuse's flash-attention op.
+"""Run ``scaled_dot_product_attention`` given a bool mask tensor from the mask's recipe, or through fxfuse's
+flash-attention op.
 
 Under torch.compile, Hugging Face models hand SDPA a materialised ``[B, 1, S, Skv]`` bool mask: causal from the
 position ids, a packed-sequence term (documents of a ``DataCollatorWithFlattening`` / TRL ``padding_free`` row
-attend only within themselves) and the padding mask. With a mask tensor SDPA's kernels take their arbitrary-mask
-path and compute every tile of the [S, Skv] scores (2.5x the causal kernel's time on an H200 for a causal mask:
-``benchmarks/bench_sdpa_mask.py``). ``fxfuse::softcap_attention`` reads the same mask but classifies its tiles
-first (empty / full / partial) and skips the empty ones, so a packed row costs what causal attention over each
-of its documents costs, and a padded batch skips its padding.
+attend only within themselves), a sliding window and the padding mask. At 64k tokens that mask is 4 GiB and SDPA's
+kernels take their arbitrary-mask path over every tile. This pass first reads how the mask was built
+(:mod:`._mask_recipe`, proven for every length, static or symbolic):
+
+* a plain causal recipe -> the same SDPA call with ``is_causal=True`` and no mask (cuDNN's causal kernel);
+* causal + window / documents / key padding -> ``fxfuse::softcap_attention(q, k, v, None, c, 0.0, True, window,
+  0, doc_ranges, key_valid)``: the kernels mask from indices and O(B x S) vectors (``doc_ranges`` built once per
+  step and shared by every layer) and skip every block outside the ranges; the mask builders become dead and are
+  erased, so nothing of size S x Skv is computed, saved for the backward or passed to a kernel;
+* a mask the reader cannot prove (an OR, a negation, a user-supplied 4-D mask; the reason is in the report's
+  ``mask_tensor_kept``) -> the op given the mask tensor as is, ``causal=False``: right whatever the mask is, its
+  tiles classified empty / full / partial so empty ones are skipped, 64-bit addressed at any size.
 
 Pattern::
 
@@ -14,11 +22,8 @@ Pattern::
     out = scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=keep, dropout_p=0.0, is_causal=False,
                                        scale=c)      # keep: bool, True = attend, broadcastable to [B, H, S, Skv]
 
-becomes ``out = fxfuse::softcap_attention(q, k, v, keep, c, 0.0, False, 0, masked_rows=0)[0]``: no softcap, the
-mask as is (it already encodes causal, packing, padding and any window, so the result is right whatever the mask
-is), and SDPA's answer for a query row with no key to attend (zeros, from torch's safe softmax). The mask is
-never re-derived or trusted to be causal: that rewrite, for constant masks, is ``sdpa_causal_mask``'s (it runs
-first; cuDNN's causal kernel is the fastest there is for a plain causal mask of a static length).
+A query row with no key to attend gets SDPA's answer (zeros, from torch's safe softmax). Constant masks at static
+lengths are ``sdpa_causal_mask``'s (it runs first and proves them causal by evaluation).
 
 Under autocast (AMP) SDPA casts q / k / v to the autocast dtype: the rewrite inserts the same casts.
 

@@ -17,11 +17,13 @@ becomes ``out = fxfuse::softcap_attention(q, k, v, mask, scaling, softcap, False
 before the repeat. The [B, Hq, S, Skv] scores, their softcapped / masked / fp32 / cast copies and the probabilities
 are never materialised (nor saved for the backward), nor are the repeated k / v.
 
-The mask tensor is passed as is (causal=False, window=0): it already encodes any mix of causal, sliding window and
-padding that ``masking_utils`` built, so the result is right whatever the mask is. The op's launchers recover the
-block structure from the data (tiles classified empty / full / partial, once per kernel tiling), so empty blocks
-are skipped and the mask is read only on partial ones, without this pass having to recognise how the mask was
-built.
+The mask is read from its recipe when it can be (:mod:`._mask_recipe`: HF's additive ``where(keep, 0, finfo.min)``
+masks and bool masks built from causal / sliding-window / packed-document / padding terms, at any length): the op
+then gets ``causal=True``, the window, ``doc_ranges`` and ``key_valid`` and no mask tensor, and the mask builders are
+erased (nothing of size S x Skv anywhere; Gemma-2 / Gemma-3's alternating window layers each read their own
+recipe). Any other mask is passed as is (causal=False, window=0): it already encodes whatever ``masking_utils``
+built, so the result is right whatever the mask is; the op's launchers then classify its tiles empty / full /
+partial so empty blocks are skipped. The report names the recipe, or why the mask tensor was kept.
 
 A query row whose every key is masked (left padding: a pad query sees only pad keys) gets what eager gives it,
 forward and backward: with HF's finfo.min masks (additive, or masked_fill / where with a finite fill) every score
