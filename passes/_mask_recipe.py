@@ -39,7 +39,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from fxfuse.graph_utils import arg, graph_modules, known_true, node_val, op_kind
+from fxfuse.graph_utils import arg, const_number, graph_modules, known_true, node_val, op_kind
 
 __all__ = ["MaskRecipe", "read_mask_recipe", "RecipeInputs", "mark_mask", "erase_dead_masks", "HOPS_WITH_BODY"]
 
@@ -171,14 +171,6 @@ def _int(a: Any) -> Optional[int]:
     return None
 
 
-def _number(a: Any) -> Optional[float]:
-    if isinstance(a, bool):
-        return None
-    if isinstance(a, (int, float)):
-        return float(a)
-    return None
-
-
 def _is_full(s: Any) -> bool:
     return isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
 
@@ -199,13 +191,13 @@ def _base(n: fx.Node) -> fx.Node:
 
 
 def _is_zero_tensor(n: Any) -> bool:
-    if _number(n) == 0.0:
+    if const_number(n) == 0.0:
         return True
     if isinstance(n, fx.Node) and n.op in ("call_function", "call_method"):
         name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
         if name in ("zeros", "new_zeros", "zeros_like"):
             return True
-        return name == "tensor" and len(n.args) == 1 and _number(n.args[0]) == 0.0  # torch.tensor(0.0)
+        return name == "tensor" and len(n.args) == 1 and const_number(n.args[0]) == 0.0  # torch.tensor(0.0)
     return False
 
 
@@ -295,7 +287,7 @@ class _Reader:
         if k == "where":
             cond, a, b = arg(n, "condition"), arg(n, "input"), arg(n, "other")
             p = self._as_pred(self.eval(cond))
-            fill = _number(b)
+            fill = const_number(b)
             if not _is_zero_tensor(a) or fill is None:
                 raise _Refuse("where() that is not (keep, 0, fill)")
             return _Additive(p, fill)
@@ -311,15 +303,12 @@ class _Reader:
         raise _Refuse(f"a {type(x).__name__} where the mask needs a condition")
 
     def _arange(self, n: fx.Node) -> _Lin:
-        args = [a for a in n.args]
+        # the length comes from the node's fake value; the start and step must be known integers
+        args = list(n.args)
         if "end" in n.kwargs:
-            args = [n.kwargs.get("start", 0), n.kwargs["end"]] + ([n.kwargs["step"]] if "step" in n.kwargs else [])
-        if len(args) == 1:
-            start, end, step = 0, args[0], 1
-        elif len(args) == 2:
-            start, end, step = args[0], args[1], 1
-        else:
-            start, end, step = args[0], args[1], args[2]
+            args = [n.kwargs.get("start", 0), n.kwargs["end"]]
+        start = args[0] if len(args) >= 2 else 0
+        step = args[2] if len(args) >= 3 else n.kwargs.get("step", 1)
         if _int(step) != 1:
             raise _Refuse("arange with a step")
         s0 = _int(start)
@@ -446,7 +435,7 @@ def _cumsum_of_bool(d: fx.Node) -> Optional[fx.Node]:
 def _positions_of(d: fx.Node) -> Optional[fx.Node]:
     """The position vector ``pos`` if ``d`` is ``(diff(pos, dim=-1, prepend=...) != 1).cumsum(-1)``."""
     x = _cumsum_of_bool(d)
-    if x is None or op_kind(x) != "ne" or _number(arg(x, "other")) != 1.0:
+    if x is None or op_kind(x) != "ne" or const_number(arg(x, "other")) != 1.0:
         return None
     df = arg(x, "input")
     if op_kind(df) != "diff":
@@ -462,7 +451,7 @@ def _docs_from_positions(d: fx.Node, pos: fx.Node) -> bool:
     """Is ``d`` = ``(diff(pos, dim=-1, prepend=...) != 1).cumsum(-1)``? Then a new document starts exactly where
     the positions do not rise by one, so inside a document ``pos[j] - pos[i] = j - i``."""
     x = _cumsum_of_bool(d)
-    if x is None or op_kind(x) != "ne" or _number(arg(x, "other")) != 1.0:
+    if x is None or op_kind(x) != "ne" or const_number(arg(x, "other")) != 1.0:
         return False
     df = arg(x, "input")
     if op_kind(df) != "diff" or _base(arg(df, "input")) is not _base(pos):
@@ -519,7 +508,7 @@ def _resolve(root: fx.GraphModule, mask: fx.Node):
         if len(callers) != 1:
             raise _Refuse(f"the mask enters a subgraph called from {len(callers)} places")
         parent, call = callers[0]
-        if not any(h in _hop_name(call) for h in HOPS_WITH_BODY):
+        if _hop_name(call) not in HOPS_WITH_BODY:
             raise _Refuse(f"the mask enters a subgraph of {_hop_name(call)}")
         phs = [p for p in mod.graph.nodes if p.op == "placeholder"]
         if len(phs) != len(call.args) - 1:
@@ -586,7 +575,7 @@ def read_mask_recipe(mask: fx.Node, root: fx.GraphModule, B: Any, S: Any, Skv: A
                     raise _Refuse("two different document-id vectors")
                 if _cumsum_of_bool(atom[1]) is None:
                     raise _Refuse("document ids that are not provably contiguous runs (not a cumsum of a bool)")
-                r.docs = atom[1] if atom[2] == "b" else atom[1]
+                r.docs = atom[1]  # [B, S] (batch "b") or [1, S] (batch "0"): the op broadcasts either
             elif tag == "key_valid":
                 if r.key_valid is not None and r.key_valid is not atom[1]:
                     raise _Refuse("two key-padding vectors")
@@ -666,7 +655,7 @@ class RecipeInputs:
                 if body is root:
                     continue
                 callers = _callers(root, body)
-                if len(callers) != 1 or not any(h in _hop_name(callers[0][1]) for h in HOPS_WITH_BODY):
+                if len(callers) != 1 or _hop_name(callers[0][1]) not in HOPS_WITH_BODY:
                     continue
                 parent, call = callers[0]
                 phs = [p for p in body.graph.nodes if p.op == "placeholder"]
@@ -702,9 +691,8 @@ def erase_dead_masks(root: fx.GraphModule, recipes: List[MaskRecipe], inputs: "R
     erased = 0
     homes = {id(r.home): r.home for r in recipes if r.home is not None}
     for m in homes.values():
-        live = set(m.graph.nodes)
-        nodes = [n for n in m.graph.nodes if any(n in r.nodes for r in recipes if r.home is m)]
-        erased += len(erase_unused(m.graph, [n for n in nodes if n in live]))
+        mine = {n for r in recipes if r.home is m for n in r.nodes}
+        erased += len(erase_unused(m.graph, [n for n in m.graph.nodes if n in mine]))
     for m in {id(r.home): r.home for r in recipes if r.home is not None}.values():
         m.recompile()
     return erased

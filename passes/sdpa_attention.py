@@ -44,26 +44,17 @@ from typing import Any, Optional, Tuple
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
 from fxfuse.graph_utils import copy_node_meta, erase_unused, known_true, node_val
 from fxfuse.registry import register_pass
 
 from ._attention_match import _unrepeat, head_dim_pads, known_number, pad_head_dims, slice_head_dim
+from ._sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
 from ._mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
 
 NAME = "sdpa_attention"
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _sdpa_arg(n: fx.Node, name: str, default: Any = None) -> Any:
-    i = _SDPA_ARGS.index(name)
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
 
 
 def _tensor(n: Any) -> Optional[torch.Tensor]:
@@ -73,7 +64,7 @@ def _tensor(n: Any) -> Optional[torch.Tensor]:
 
 def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
     """The rewrite's operands, or (None, why not)."""
-    mask = _sdpa_arg(n, "attn_mask")
+    mask = sdpa_arg(n, "attn_mask")
     if not isinstance(mask, fx.Node):
         return None, ""  # no mask tensor: SDPA's own kernels are the fast path
     mv = _tensor(mask)
@@ -84,21 +75,21 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
                       "results, which the fused kernel cannot tell apart")
     if mv.requires_grad:
         return None, "the mask requires grad"
-    if _sdpa_arg(n, "is_causal", False) is not False:
+    if sdpa_arg(n, "is_causal", False) is not False:
         return None, "is_causal together with a mask"
-    p = known_number(_sdpa_arg(n, "dropout_p", 0.0))
+    p = known_number(sdpa_arg(n, "dropout_p", 0.0))
     if p is None or p != 0.0:
-        return None, f"dropout_p {_sdpa_arg(n, 'dropout_p', 0.0)!r} may be > 0"
-    scale = _sdpa_arg(n, "scale", None)
+        return None, f"dropout_p {sdpa_arg(n, 'dropout_p', 0.0)!r} may be > 0"
+    scale = sdpa_arg(n, "scale", None)
     if scale is not None:
         scale = known_number(scale)
         if scale is None:
             return None, "scale is a graph value not known at compile time"
-    q, k_rep, v_rep = (_sdpa_arg(n, a) for a in ("query", "key", "value"))
+    q, k_rep, v_rep = (sdpa_arg(n, a) for a in ("query", "key", "value"))
     qv, kv_, vv_ = _tensor(q), _tensor(k_rep), _tensor(v_rep)
     if qv is None or kv_ is None or vv_ is None or qv.dim() != 4 or kv_.dim() != 4 or vv_.dim() != 4:
         return None, "q / k / v are not 4-D [B, H, S, D]"
-    gqa = _sdpa_arg(n, "enable_gqa", False)
+    gqa = sdpa_arg(n, "enable_gqa", False)
     if gqa not in (True, False):
         return None, "enable_gqa is a graph value"
     k, nk, krep = _unrepeat(k_rep)
@@ -149,26 +140,10 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
                 cast_to=cast_to, pads=pads, v_head_dim=vv.shape[3], shape=(B, S, kv.shape[2])), ""
 
 
-def _causal_sdpa(g: fx.Graph, n: fx.Node) -> fx.Node:
-    """The same SDPA call with ``is_causal=True`` and no mask (cuDNN's / flash's causal kernels)."""
-    args, kwargs = list(n.args), dict(n.kwargs)
-    if len(args) > 3:
-        args[3] = None
-    else:
-        kwargs["attn_mask"] = None
-    if len(args) > 5:
-        args[5] = True
-    else:
-        kwargs["is_causal"] = True
-    with g.inserting_before(n):
-        new = g.call_function(n.target, tuple(args), kwargs)
-    new.meta.update(n.meta)
-    return new
-
-
 @register_pass(name=NAME, order=46,
                description="scaled_dot_product_attention with a bool mask tensor (packed / padded / dynamic-length "
-                           "batches) -> fxfuse::softcap_attention, empty mask tiles skipped")
+                           "batches): the mask read from its recipe -> is_causal=True or fxfuse::softcap_attention "
+                           "with no S x S tensor; other masks -> the op with the mask tensor, empty tiles skipped")
 def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     inputs, recipes = RecipeInputs(), []
@@ -176,7 +151,7 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
         g = mod.graph
         changed = 0
         for n in list(g.nodes):
-            if n.op != "call_function" or n.target not in _SDPA:
+            if n.op != "call_function" or n.target not in SDPA_TARGETS:
                 continue
             m, why = _match(n)
             if m is None:
@@ -186,7 +161,7 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
             recipe, no_recipe = read_mask_recipe(m["mask"], gm, *m["shape"], kind="bool")
             if recipe is not None and recipe.plain_causal:
                 # a causal mask at any length (HF materialises it at symbolic lengths): SDPA's own causal kernels
-                new = _causal_sdpa(g, n)
+                new = causal_sdpa(g, n)
                 n.replace_all_uses_with(new)
                 g.erase_node(n)
                 mark_mask(recipe)

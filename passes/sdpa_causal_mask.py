@@ -24,14 +24,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val
+from fxfuse.graph_utils import erase_unused, node_val
 from fxfuse.registry import register_pass
 
+from ._sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
+
 NAME = "sdpa_causal_mask"
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 # Deterministic, input-free index arithmetic: what HF's mask builders use (and their obvious relatives).
 _PURE_FUNCTIONS = {
@@ -50,13 +49,6 @@ _PURE_METHODS = {
     "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "bool", "int", "long", "float", "masked_fill",
     "tril", "triu", "transpose", "permute", "__and__", "__or__", "__invert__", "add", "sub", "mul", "clamp",
 }
-
-
-def _sdpa_arg(n: fx.Node, name: str, default: Any = None) -> Any:
-    i = _SDPA_ARGS.index(name)
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
 
 
 def _static_len(v: Any, dim: int) -> Optional[int]:
@@ -148,12 +140,12 @@ def sdpa_causal_mask_pass(gm: fx.GraphModule, ctx) -> int:
         verdicts: Dict[fx.Node, Tuple[bool, str, List[fx.Node]]] = {}  # one evaluation per mask (shared by layers)
         changed = 0
         for n in list(g.nodes):
-            if n.op != "call_function" or n.target not in _SDPA:
+            if n.op != "call_function" or n.target not in SDPA_TARGETS:
                 continue
-            mask = _sdpa_arg(n, "attn_mask")
-            if not isinstance(mask, fx.Node) or _sdpa_arg(n, "is_causal", False) is not False:
+            mask = sdpa_arg(n, "attn_mask")
+            if not isinstance(mask, fx.Node) or sdpa_arg(n, "is_causal", False) is not False:
                 continue
-            q, k = node_val(_sdpa_arg(n, "query")), node_val(_sdpa_arg(n, "key"))
+            q, k = node_val(sdpa_arg(n, "query")), node_val(sdpa_arg(n, "key"))
             sq, skv = _static_len(q, -2), _static_len(k, -2)
             if sq is None or skv is None:
                 ctx.skipped(n, "SDPA causal mask", "the sequence length is symbolic (dynamic shapes): the mask "
@@ -178,19 +170,7 @@ def sdpa_causal_mask_pass(gm: fx.GraphModule, ctx) -> int:
             if not ok:
                 ctx.skipped(n, "SDPA causal mask", why)
                 continue
-            args, kwargs = list(n.args), dict(n.kwargs)
-            if len(args) > 3:
-                args[3] = None
-            else:
-                kwargs["attn_mask"] = None
-            if len(args) > 5:
-                args[5] = True
-            else:
-                kwargs["is_causal"] = True
-            with g.inserting_before(n):
-                new = g.call_function(n.target, tuple(args), kwargs)
-            new.meta.update(n.meta)
-            copy_node_meta(new, n)
+            new = causal_sdpa(g, n)
             n.replace_all_uses_with(new)
             g.erase_node(n)
             sv = node_val(mask)

@@ -114,7 +114,7 @@ def test_triton_recipe_path_with_64_bit_addresses(int64, monkeypatch):
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_property_recipe_equals_the_same_mask_as_a_tensor(data):
-    """Random documents, padding, windows, GQA and softcap: the recipe path gives what the mask-tensor path gives
+    """Random documents, padding, windows, GQA, softcap and flat to peaked rows: the recipe path gives what the mask-tensor path gives
     for the mask those recipes describe (PyTorch path, fp32)."""
     B = data.draw(st.integers(1, 2))
     S = data.draw(st.integers(2, 40))
@@ -134,7 +134,8 @@ def test_property_recipe_equals_the_same_mask_as_a_tensor(data):
             valid[-1, S - n:] = False
     mr = data.draw(st.sampled_from(["zero", "uniform"]))
     q, k, v, do, ids, keep = _case(B, Hq, Hkv, S, 8, bounds, valid, seed=data.draw(st.integers(0, 99)))
-    kw = dict(scaling=0.5, softcap=softcap, causal=True, window=window, masked_rows=mr)
+    scaling = data.draw(st.sampled_from([0.05, 0.5, 8.0]))  # flat, moderate and peaked softmax rows
+    kw = dict(scaling=scaling, softcap=softcap, causal=True, window=window, masked_rows=mr)
     got = _grads(softcap_attention(q, k, v, doc_ranges=document_ranges(ids), key_valid=valid, **kw), q, k, v, do)
     want = _grads(softcap_attention(q, k, v, mask=keep, **kw), q, k, v, do)
     for a, b in zip(got, want):
