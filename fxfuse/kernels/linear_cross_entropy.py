@@ -67,7 +67,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, tl, triton
+from .triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

@@ -49,7 +49,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._triton import HAVE_TRITON, tl, triton
+from .triton_support import HAVE_TRITON, tl, triton
 from .linear_cross_entropy import (DEFAULT_CHUNK_BYTES, _chunk_loop, rounded_z, row_launch_config,
                                    row_stats_torch, rows_per_chunk)
 

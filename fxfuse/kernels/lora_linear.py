@@ -43,7 +43,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from .triton_support import HAVE_TRITON, tl, triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
            "max_offset", "needs_int64_idx"]

@@ -62,7 +62,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import HAVE_TRITON, tl, triton
+from .triton_support import HAVE_TRITON, tl, triton
 
 __all__ = [
     "MASKED_BELOW",

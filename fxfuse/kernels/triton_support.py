@@ -1,0 +1,55 @@
+"""What every kernel module needs from Triton, defined once.
+
+Triton is optional: every op's CPU path needs none of it, so kernel modules import ``triton``, ``tl`` and
+``HAVE_TRITON`` from here and keep their ``@triton.jit`` code under ``if HAVE_TRITON:``. Also here: when a
+tensor's op takes its Triton path (:func:`use_triton`), whether the kernels run in Triton's CPU interpreter
+(:func:`interpreting`, which tests use to run the kernels without a GPU), and the two tanh forms the softcapped
+kernels (attention, lm-head) choose from.
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp"]
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, set before triton is imported).
+    The interpreter has no inline PTX and never contracts a multiply and an add, so fast paths are off there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t, force: bool = False) -> bool:
+    """Whether an op on tensor ``t`` takes its Triton kernel: on CUDA, or anywhere with ``force`` (tests run the
+    kernels on CPU tensors through the interpreter). Without Triton, never."""
+    return HAVE_TRITON and (t.device.type == "cuda" or force)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def tanh_approx(x):
+        """tanh as one MUFU instruction (sm_75+): max relative error ~2^-11, below the bf16 rounding of a logit or
+        an attention score. CUDA only, never under the interpreter (no inline PTX there)."""
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+
+    @triton.jit
+    def tanh_exp(x):
+        """tanh from one exp, ~3e-8 absolute in fp32; runs everywhere, the interpreter included (libdevice does
+        not)."""
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x >= 0, t, -t)
+else:  # pragma: no cover
+    tanh_approx = tanh_exp = None
