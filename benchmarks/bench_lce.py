@@ -34,6 +34,8 @@ except Exception as _e:  # work in progress elsewhere must not stop the kernel b
     _pkg.__path__ = [os.path.join(_ROOT, "fxfuse")]
     sys.modules["fxfuse"] = _pkg
 from fxfuse.kernels import linear_cross_entropy as K  # noqa: E402
+from fxfuse.kernels import lm_head_rows  # noqa: E402
+from fxfuse.kernels.triton_support import use_triton  # noqa: E402
 from fxfuse.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -138,17 +140,18 @@ def sec_lce(names, quick=False):
         for cb in (256 << 20, K.MIN_MEMORY_CHUNK_BYTES):
             def chunk_mm_only(cb=cb):
                 with torch.no_grad():
-                    return K._chunk_loop(h.detach(), W.detach(), None, lambda b, s, e: None, True, True, False, cb, True)
+                    return lm_head_rows.chunk_loop(h.detach(), W.detach(), None, lambda b, s, e: None, True, True,
+                                                   False, cb, True)
             ms, mem = bench(chunk_mm_only)
             emit(section="lce", shape=name, impl=f"chunked cuBLAS only ({cb >> 20} MiB)", ms=round(ms, 3),
                  peak_gib=round(mem, 3), x_floor=round(ms / floor_ms, 3))
 
         # the row kernel alone on one default chunk
-        C = K.rows_per_chunk(V, 2, K.DEFAULT_CHUNK_BYTES, N)
+        C = lm_head_rows.rows_per_chunk(V, 2, lm_head_rows.DEFAULT_CHUNK_BYTES, N)
         buf = (torch.randn(C, V, device=DEV) * 2).to(torch.bfloat16)
         lrow = torch.empty(C, device=DEV); lse = torch.empty(2, C, device=DEV)  # row max, log S
         g1 = torch.ones((), device=DEV)
-        rows = K._rows_triton if K._use_triton(buf) else K._rows_torch
+        rows = K._rows_triton if use_triton(buf, K.FORCE_TRITON) else K._rows_torch
         ms, _ = bench(lambda: rows(buf, y[:C], g1, lrow, lse, None, -100, 1.0, cap or 0.0, 0.0, True))
         gbs = 3 * C * V * 2 / ms / 1e6
         emit(section="lce", shape=name, impl=f"row kernel alone (C={C})", ms=round(ms, 4), gb_s=round(gbs, 1),
@@ -157,9 +160,9 @@ def sec_lce(names, quick=False):
 
         ref = None
         for iname, fn in impls.items():
-            prev_acc, prev_cfg = K.FP32_ACCUM_MAX_BYTES, dict(K.ROW_CONFIG)
+            prev_acc, prev_cfg = lm_head_rows.FP32_ACCUM_MAX_BYTES, dict(K.ROW_CONFIG)
             if fn == "fp32acc":
-                K.FP32_ACCUM_MAX_BYTES = 1 << 40
+                lm_head_rows.FP32_ACCUM_MAX_BYTES = 1 << 40
                 fn = fx()
             elif fn == "fasttanh":
                 K.ROW_CONFIG["FAST_TANH"] = True
@@ -191,7 +194,7 @@ def sec_lce(names, quick=False):
                 emit(section="lce", shape=name, impl=iname, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc()
             finally:
-                K.FP32_ACCUM_MAX_BYTES = prev_acc
+                lm_head_rows.FP32_ACCUM_MAX_BYTES = prev_acc
                 K.ROW_CONFIG.clear(); K.ROW_CONFIG.update(prev_cfg)
         del h, W, y, impls, ref32
         if DEV == "cuda":
@@ -222,7 +225,7 @@ def sec_tune(names):
             r["sum_ms"] = r["logits_ms"] + r["gh_ms"] + r["gw_addmm_ms"]
             emit(**{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})
             del buf
-        C = K.rows_per_chunk(V, 2, K.DEFAULT_CHUNK_BYTES, N)
+        C = lm_head_rows.rows_per_chunk(V, 2, lm_head_rows.DEFAULT_CHUNK_BYTES, N)
         buf0 = (torch.randn(C, V, device=DEV) * 2).to(torch.bfloat16)
         buf = buf0.clone()
         lrow = torch.empty(C, device=DEV); lse = torch.empty(2, C, device=DEV); g1 = torch.ones((), device=DEV)

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, known_true, node_val, op_kind
 
-__all__ = ["LogitChain", "match_logit_chain", "chunk_bytes_option"]
+__all__ = ["LogitChain", "match_logit_chain", "chunk_bytes_option", "const_operand", "is_last_dim"]
 
 
 @dataclass
@@ -49,21 +49,10 @@ class LogitChain:
     def softcap(self) -> float:
         return self.post_scale if self.tanh else 0.0
 
-    def elementwise_recipe(self) -> List[Tuple[str, Any]]:
-        """The value-changing ops after the projection, to replay on materialised logits."""
-        out = []
-        for n in self.nodes[1:]:
-            k = op_kind(n)
-            if k in ("mul", "div"):
-                out.append((k, _const_operand(n)))
-            elif k == "tanh":
-                out.append(("tanh", None))
-            elif k == "cast":
-                out.append(("cast", node_val(n).dtype))
-        return out
 
-
-def _const_operand(n: fx.Node) -> Optional[float]:
+def const_operand(n: fx.Node) -> Optional[float]:
+    """The Python-number operand of a ``mul`` / ``div`` node whose other operand is a tensor (for ``div`` only the
+    divisor), else None."""
     a, b = arg(n, "input"), arg(n, "other")
     if isinstance(a, fx.Node) and const_number(b) is not None:
         return const_number(b)
@@ -78,6 +67,12 @@ def _tensor_input(n: fx.Node) -> Optional[fx.Node]:
         return a
     b = arg(n, "other")
     return b if isinstance(b, fx.Node) else None
+
+
+def is_last_dim(n: fx.Node, dim) -> bool:
+    """Whether ``dim`` is the last dim of ``n``'s input (for a consumer of logits: the vocabulary dim)."""
+    v = node_val(arg(n, "input"))
+    return isinstance(v, torch.Tensor) and dim in (-1, v.dim() - 1)
 
 
 def _keeps_last_dim(n: fx.Node) -> bool:
@@ -175,7 +170,7 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
             if float_only and dt not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
                 return None, f"cast to {dt}"
         elif k in ("mul", "div"):
-            c = _const_operand(n)
+            c = const_operand(n)
             if c is None or (k == "div" and c == 0.0):
                 return None, f"{k} by a tensor (not a compile-time constant)"
             c = c if k == "mul" else 1.0 / c

@@ -27,17 +27,14 @@ import torch.fx as fx
 
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, node_val, op_kind
 
+from ._logit_chain import is_last_dim
+
 
 def _row_of(n: fx.Node, i: int) -> Optional[fx.Node]:
     """X if ``n`` is ``X[i]`` (an int index on dim 0), else None."""
     if op_kind(n) != "getitem" or arg(n, "index") != i or not isinstance(arg(n, "input"), fx.Node):
         return None
     return arg(n, "input")
-
-
-def _last_dim(n: fx.Node, dim) -> bool:
-    v = node_val(arg(n, "input"))
-    return isinstance(v, torch.Tensor) and dim in (-1, v.dim() - 1)
 
 
 def _single_use(*nodes: fx.Node) -> bool:
@@ -75,9 +72,9 @@ def _match_stack(st: fx.Node):
     kind, X, IDX, dtype, loop = None, None, None, None, []
     for i, r in enumerate(rows):
         k = op_kind(r)
-        if k == "gather" and len(r.users) == 1 and _last_dim(r, arg(r, "dim")):
+        if k == "gather" and len(r.users) == 1 and is_last_dim(r, arg(r, "dim")):
             lp, idx = arg(r, "input"), arg(r, "index")
-            if op_kind(lp) != "log_softmax" or not _last_dim(lp, arg(lp, "dim")) or not isinstance(idx, fx.Node):
+            if op_kind(lp) != "log_softmax" or not is_last_dim(lp, arg(lp, "dim")) or not isinstance(idx, fx.Node):
                 return None
             x = arg(lp, "input")
             xi, ii = _row_of(x, i), _row_of(idx, i)
@@ -89,7 +86,7 @@ def _match_stack(st: fx.Node):
                 return None
             kind, IDX, dtype = "log_softmax_gather", ii, arg(lp, "dtype")
             loop += [r, lp, x, idx]
-        elif k == "logsumexp" and len(r.users) == 1 and _last_dim(r, arg(r, "dim")) and not arg(r, "keepdim", False):
+        elif k == "logsumexp" and len(r.users) == 1 and is_last_dim(r, arg(r, "dim")) and not arg(r, "keepdim", False):
             x = arg(r, "input")
             xi = _row_of(x, i)
             if xi is None or not _single_use(x) or kind not in (None, "logsumexp"):

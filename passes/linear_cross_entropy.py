@@ -39,7 +39,7 @@ from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hi
 from fxfuse.lazy import LazyLogits
 from fxfuse.registry import register_pass
 
-from ._logit_chain import LogitChain, chunk_bytes_option, match_logit_chain
+from ._logit_chain import LogitChain, chunk_bytes_option, const_operand, match_logit_chain
 
 NAME = "linear_cross_entropy"
 _DEFAULTS = {"cross_entropy": dict(weight=None, size_average=None, reduce=None, ignore_index=-100,
@@ -140,12 +140,11 @@ def _substitute_returned_logits(gm: fx.GraphModule, chain: LogitChain, still: Li
 
 
 def _recipe_of(nodes: List[fx.Node]):
-    from ._logit_chain import _const_operand
-
+    """The value-changing ops among ``nodes`` (a part of the logit chain), to replay on materialised logits."""
     for n in nodes:
         k = op_kind(n)
         if k in ("mul", "div"):
-            yield k, _const_operand(n)
+            yield k, const_operand(n)
         elif k == "tanh":
             yield "tanh", None
         elif k == "cast":

@@ -38,20 +38,15 @@ import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.li
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._logit_chain import LogitChain, chunk_bytes_option, match_logit_chain
+from ._logit_chain import LogitChain, chunk_bytes_option, is_last_dim, match_logit_chain
 from ._row_loops import fold_row_loops
 
 NAME = "linear_log_probs"
 
 
-def _is_last_dim(n: fx.Node, dim) -> bool:
-    v = node_val(arg(n, "input"))
-    return isinstance(v, torch.Tensor) and dim in (-1, v.dim() - 1)
-
-
 def _gather_index(g: fx.Node) -> Tuple[Optional[fx.Node], Optional[fx.Node], str]:
     """(index [...], squeeze node or None, why) for ``lp.gather(-1, index[..., None])[.squeeze(-1)]``."""
-    if not _is_last_dim(g, arg(g, "dim")):
+    if not is_last_dim(g, arg(g, "dim")):
         return None, None, "gather not over the last dim"
     idx = arg(g, "index")
     iv, gv = node_val(idx), node_val(g)
@@ -76,11 +71,11 @@ def _entropy_site(lp: fx.Node, z: fx.Node, user: fx.Node) -> Optional[List[fx.No
     if not isinstance(p, fx.Node):
         return None
     is_exp = op_kind(p) == "exp" and arg(p, "input") is lp
-    is_softmax = op_kind(p) == "softmax" and arg(p, "input") is z and _is_last_dim(p, arg(p, "dim"))
+    is_softmax = op_kind(p) == "softmax" and arg(p, "input") is z and is_last_dim(p, arg(p, "dim"))
     if not (is_exp or is_softmax) or len(user.users) != 1 or len(p.users) != 1:
         return None
     s = next(iter(user.users))
-    if op_kind(s) != "sum" or not _is_last_dim(s, arg(s, "dim")) or arg(s, "keepdim", False) or len(s.users) != 1:
+    if op_kind(s) != "sum" or not is_last_dim(s, arg(s, "dim")) or arg(s, "keepdim", False) or len(s.users) != 1:
         return None
     neg = next(iter(s.users))
     if op_kind(neg) != "neg":
@@ -94,14 +89,14 @@ def _entropy_from_lse(lse: fx.Node, z: fx.Node, user: fx.Node) -> Optional[List[
     if op_kind(user) != "sub" or arg(user, "input") is not lse:
         return None
     s = arg(user, "other")
-    if op_kind(s) != "sum" or not _is_last_dim(s, arg(s, "dim")) or arg(s, "keepdim", False) or len(s.users) != 1:
+    if op_kind(s) != "sum" or not is_last_dim(s, arg(s, "dim")) or arg(s, "keepdim", False) or len(s.users) != 1:
         return None
     m = arg(s, "input")
     if op_kind(m) != "mul" or len(m.users) != 1:
         return None
     a, b = arg(m, "input"), arg(m, "other")
     p = a if b is z else (b if a is z else None)
-    if not (op_kind(p) == "softmax" and arg(p, "input") is z and _is_last_dim(p, arg(p, "dim"))
+    if not (op_kind(p) == "softmax" and arg(p, "input") is z and is_last_dim(p, arg(p, "dim"))
             and len(p.users) == 1 and arg(p, "dtype") is None):
         return None
     return [p, m, s, user]
@@ -133,7 +128,7 @@ class _Site:
 
 def _match_log_softmax(lp: fx.Node) -> Tuple[Optional[_Site], str]:
     """``lp = log_softmax(z, -1)``; ``lp.gather(-1, idx)[.squeeze(-1)]`` (+ an entropy on lp)."""
-    if not _is_last_dim(lp, arg(lp, "dim")):
+    if not is_last_dim(lp, arg(lp, "dim")):
         return None, "log_softmax not over the last dim"
     z = arg(lp, "input")
     gathers = [u for u in lp.users if op_kind(u) == "gather" and arg(u, "input") is lp]
@@ -174,7 +169,7 @@ def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
     if op_kind(gnode) != "gather":
         return None, ""
     z = arg(b, "input")
-    if arg(gnode, "input") is not z or not _is_last_dim(b, arg(b, "dim")):
+    if arg(gnode, "input") is not z or not is_last_dim(b, arg(b, "dim")):
         return None, "selected logits minus a logsumexp of other logits / over another dim"
     keepdim = bool(arg(b, "keepdim", False)) or unsq is not None
     if keepdim == (squeeze is not None):

@@ -23,20 +23,21 @@ importance ratios)::
     d H_t    / d z_t = -p_t * ((z_t - mx_t) - (E_p[z_t] - mx_t))
     d z / d logits   = (1 - tanh^2(logits / softcap)) / temperature      (1 / temperature without softcap)
 
-Memory: like the LCE op (:mod:`fxfuse.kernels.linear_cross_entropy`, whose chunk loop this module reuses), one
-[C, V] logits buffer of ``chunk_bytes`` (default 256 MiB) is reused across token chunks; the row kernel reads it
-(forward: the row statistics, the picked logit, the entropy) or overwrites it in place with d loss / d logits
-(backward), and cuBLAS does the three matmuls (logits chunk, grad_hidden[chunk] = dlogits @ W, grad_weight +=
-dlogits^T @ h).
+Memory: like the LCE op (:mod:`fxfuse.kernels.linear_cross_entropy`; both run the chunk loop of
+:mod:`fxfuse.kernels.lm_head_rows`), one [C, V] logits buffer of ``chunk_bytes`` (default 256 MiB) is reused across
+token chunks; the row kernel reads it (forward: the row statistics, the picked logit, the entropy) or overwrites it
+in place with d loss / d logits (backward), and cuBLAS does the three matmuls (logits chunk, grad_hidden[chunk] =
+dlogits @ W, grad_weight += dlogits^T @ h).
 
-Precision: the row normaliser is two fp32 numbers, not one lse (the LCE kernel module explains why and holds
-the shared helpers ``_stats_*``, ``_log1p``, ``_expm1``): ``mx`` the row max (one of the z values, so z - mx is
-exact at the max) and ``ls = log1p(S - 1)``, S = sum e^(z-mx), S - 1 summed without the max element's 1 (per
-lane online: max m, r = sum e^(z-m) without the lane's max, t = sum e^(z-m) (z-m)). One fp32 lse rounds to
-~|lse| * 6e-8 absolute, which swamps log-probs near 0 (peaked rows: logp ~ -1e-6) and their gradient
-1 - p_y; ``(z - mx) - ls`` keeps them at their relative precision. The entropy ``H = log1p(S - 1) - T / S`` with
-T = sum e^(z-mx) (z-mx) has two terms >= 0 (no cancellation between lse and E_p[z], which loses ~|z| * 1e-7
-absolute in fp32), and its gradient uses z - E_p[z] = (z - mx) - T/S (E_p[z] is saved relative to mx).
+Precision: the row normaliser is two fp32 numbers, not one lse (:mod:`~fxfuse.kernels.lm_head_rows` and the LCE
+kernel module explain why; the former holds the shared helpers ``stats_*``, ``expm1``, ``pick``, ``mul_rn``):
+``mx`` the row max (one of the z values, so z - mx is exact at the max) and ``ls = log1p(S - 1)``, S = sum
+e^(z-mx), S - 1 summed without the max element's 1 (per lane online: max m, r = sum e^(z-m) without the lane's
+max, t = sum e^(z-m) (z-m)). One fp32 lse rounds to ~|lse| * 6e-8 absolute, which swamps log-probs near 0
+(peaked rows: logp ~ -1e-6) and their gradient 1 - p_y; ``(z - mx) - ls`` keeps them at their relative precision.
+The entropy ``H = log1p(S - 1) - T / S`` with T = sum e^(z-mx) (z-mx) has two terms >= 0 (no cancellation between
+lse and E_p[z], which loses ~|z| * 1e-7 absolute in fp32), and its gradient uses z - E_p[z] = (z - mx) - T/S (E_p[z]
+is saved relative to mx).
 
 The PyTorch row step (``_rows_torch_*``) runs on CPU and is the CI twin of the kernel; the Triton kernel runs on
 CUDA, or on CPU under ``TRITON_INTERPRET=1`` when ``FORCE_TRITON`` (env ``FXFUSE_LOGP_FORCE_TRITON=1``) is set.
@@ -49,20 +50,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .triton_support import HAVE_TRITON, tl, triton
-from .linear_cross_entropy import (DEFAULT_CHUNK_BYTES, _chunk_loop, rounded_z, row_launch_config,
-                                   row_stats_torch, rows_per_chunk)
+from .lm_head_rows import chunk_loop, rounded_z, row_launch_config, row_stats_torch
+from .triton_support import HAVE_TRITON, tl, triton, use_triton
 
 if HAVE_TRITON:
-    from .linear_cross_entropy import _expm1, _mul_rn, _pick, _stats_finish, _stats_init, _stats_update, _tanh
+    from .lm_head_rows import expm1, mul_rn, pick, softcap_tanh, stats_finish, stats_init, stats_update
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES",
     "FORCE_TRITON",
     "logp_forward",
     "logp_backward",
     "logp_reference",
-    "rows_per_chunk",
 ]
 
 #: Run the Triton row kernel on CPU tensors too (needs TRITON_INTERPRET=1); for tests.
@@ -75,10 +73,6 @@ ROW_CONFIG: dict = {}
 _ROW_DEFAULTS = dict(BLOCK_V=4096, num_warps=16, FAST_TANH=True)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAVE_TRITON and (t.device.type == "cuda" or FORCE_TRITON)
-
-
 # ================================================================================================ Triton kernel
 if HAVE_TRITON:
 
@@ -86,12 +80,12 @@ if HAVE_TRITON:
     def _logp_z(x, inv_temp, softcap, inv_softcap, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                 RN: tl.constexpr):
         """(z, th) from the fp32 logits x: first the softcap (th = the tanh), then / temperature; the final product
-        rounded (``_mul_rn``: z - mx exactly 0 at the max on CUDA too)."""
+        rounded (``mul_rn``: z - mx exactly 0 at the max on CUDA too)."""
         th = x
         if SOFTCAP:
-            th = _tanh(x * inv_softcap, FAST_TANH)
+            th = softcap_tanh(x * inv_softcap, FAST_TANH)
             x = softcap * th
-        return _mul_rn(x, inv_temp, RN), th
+        return mul_rn(x, inv_temp, RN), th
 
     @triton.jit
     def _logp_rows_kernel(
@@ -114,7 +108,7 @@ if HAVE_TRITON:
         if not BACKWARD:
             # One pass, per-lane online softmax statistics (shared with the LCE kernel: m, r = sum e^(z-m) without
             # the lane's max) and, with ENTROPY, t = sum e^(z-m) (z-m).
-            m, r = _stats_init(BLOCK_V)
+            m, r = stats_init(BLOCK_V)
             t = tl.zeros([BLOCK_V], dtype=tl.float32)
             zy = tl.zeros([BLOCK_V], dtype=tl.float32)
             for start in range(0, V, BLOCK_V):
@@ -122,7 +116,7 @@ if HAVE_TRITON:
                 mask = cols < V
                 z, _th = _logp_z(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), inv_temp, softcap,
                                  inv_softcap, SOFTCAP, FAST_TANH, RN)
-                m_new, r_new, q, dz, up = _stats_update(m, r, tl.where(mask, z, -float("inf")))
+                m_new, r_new, q, dz, up = stats_update(m, r, tl.where(mask, z, -float("inf")))
                 if ENTROPY:
                     # new max (dz = z - m > 0): t rescales by q = e^-dz and shifts by -dz per element (r + 1 = the
                     # lane's full sum, 0 for a lane not hit yet); else the element adds q * dz = e^(z-m) (z-m)
@@ -131,7 +125,7 @@ if HAVE_TRITON:
                 m = m_new
                 r = r_new
                 zy += tl.where(cols == y, z, 0.0)
-            mx, ls, w, Sm1 = _stats_finish(m, r, BLOCK_V)
+            mx, ls, w, Sm1 = stats_finish(m, r, BLOCK_V)
             tl.store(mx_ptr + row, mx)
             tl.store(ls_ptr + row, ls)
             tl.store(logp_ptr + row, (tl.sum(zy, axis=0) - mx) - ls)
@@ -153,9 +147,9 @@ if HAVE_TRITON:
             dy = 0.0
             if HAS_GLOGP:
                 gl = tl.load(glogp_ptr + row * stride_gl).to(tl.float32)
-                xk, k = _pick(base, y, (y >= 0) & (y < V))
+                xk, k = pick(base, y, (y >= 0) & (y < V))
                 zk, _thk = _logp_z(xk, inv_temp, softcap, inv_softcap, SOFTCAP, FAST_TANH, RN)
-                dy = -gl * _expm1((tl.sum(tl.where(k == 0, zk, 0.0), axis=0) - mx) - ls)
+                dy = -gl * expm1((tl.sum(tl.where(k == 0, zk, 0.0), axis=0) - mx) - ls)
             if HAS_GENT:
                 ge = tl.load(gent_ptr + row * stride_ge).to(tl.float32)
                 ezr = tl.load(ez_ptr + row)
@@ -278,7 +272,7 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     (row 0 the max mx, row 1 ls = log sum exp(z - mx)), ``ez`` = E_p[z] - mx (saved for the entropy gradient)."""
     N = hidden.shape[0]
     dev = hidden.device
-    fwd = _rows_triton_fwd if _use_triton(hidden) else _rows_torch_fwd
+    fwd = _rows_triton_fwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_fwd
     index = index.contiguous()
     logp = torch.empty(N, dtype=torch.float32, device=dev)
     lse = torch.empty((2, N), dtype=torch.float32, device=dev)
@@ -289,7 +283,7 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
         fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[:, s:e], ez[s:e] if entropy else None,
             temperature, softcap)
 
-    _chunk_loop(hidden, weight, bias, step, False, False, False, chunk_bytes, False)
+    chunk_loop(hidden, weight, bias, step, False, False, False, chunk_bytes, False)
     return logp, ent, lse, ez
 
 
@@ -307,7 +301,7 @@ def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
         return (z(hidden, (N, D)) if need_gh else hidden.new_empty(0),
                 z(weight, tuple(weight.shape)) if need_gw else hidden.new_empty(0),
                 z(bias, tuple(bias.shape)) if need_gb else hidden.new_empty(0))
-    bwd = _rows_triton_bwd if _use_triton(hidden) else _rows_torch_bwd
+    bwd = _rows_triton_bwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_bwd
     index = index.contiguous()
     if g_logp is not None and g_logp.dtype != torch.float32:
         g_logp = g_logp.float()
@@ -319,7 +313,7 @@ def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
             g_logp[s:e] if g_logp is not None else None, g_ent[s:e] if g_ent is not None else None,
             temperature, softcap)
 
-    return _chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, True)
+    return chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, True)
 
 
 # ================================================================================================ reference

@@ -43,7 +43,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .triton_support import HAVE_TRITON, tl, triton
+from .triton_support import HAVE_TRITON, interpreting, tl, triton, use_triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
            "max_offset", "needs_int64_idx"]
@@ -61,14 +61,6 @@ CPU_MASK_ROWS = 256
 #: Run the kernels' 64-bit index path (``INT64_IDX``) at any size; for tests (it must compute what int32 does).
 FORCE_INT64_IDX = False
 INT32_MAX = 2**31 - 1
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return HAVE_TRITON and (t.device.type == "cuda" or FORCE_TRITON)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def draw_seeds(n: int, device) -> torch.Tensor:
@@ -387,7 +379,7 @@ def dropout_keep_mask(seed: torch.Tensor, N: int, din: int, p: float, device) ->
     """The bool [N, din] keep mask the op uses for one adapter with this seed on this device's path."""
     dev = torch.device(device)
     probe = torch.empty(0, device=dev)
-    if _use_triton(probe):
+    if use_triton(probe, FORCE_TRITON):
         out = torch.empty((N, din), dtype=torch.int8, device=dev)
         seed_d = seed.reshape(1).to(dev)
         if N and din:
@@ -414,7 +406,7 @@ def _compute_dtype(A: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _dropout_kernel_a(A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A as the dropout paths take it: the Triton kernels read wider adapters (PEFT's fp32 A on a bf16 base) as
     they are and round them in registers, which saves a cast kernel per call; the PyTorch path needs x's dtype."""
-    return A if _use_triton(x) else _compute_dtype(A, x.dtype)
+    return A if use_triton(x, FORCE_TRITON) else _compute_dtype(A, x.dtype)
 
 
 MAX_RUN = 4  # adapters per dropout-kernel launch (the kernels spell out four accumulators)
@@ -446,14 +438,14 @@ def _down_dropout(x, A_run, V_run, seeds_run, na, r, s, p):
     """V_run (the run's [N, na * r] columns of V) = s * drop_k(x) @ A_k.T for the run's adapters."""
     N, din = x.shape
     thresh, inv = _dropout_threshold(p)
-    if _use_triton(x):
+    if use_triton(x, FORCE_TRITON):
         if N == 0:
             return
         cfg = DOWN_CONFIG
         _check_int32_adapters(A_run)
         _lora_down_kernel[(triton.cdiv(N, cfg["BM"]),)](
             x, x.stride(0), A_run, A_run.stride(0), V_run, V_run.stride(0), seeds_run, N, din, r, thresh, s * inv,
-            RP=_rank_pad(r), NA=na, DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg,
+            RP=_rank_pad(r), NA=na, DOT_F32=interpreting() or x.dtype == torch.float32, **MASK_CONFIG, **cfg,
             INT64_IDX=_int64_idx(x, V_run))
         return
     inv = 1.0 / (1.0 - p)
@@ -510,7 +502,7 @@ def _up_dropout_bwd(gV_run, A_run, x, C, ga32_run, seeds_run, na, r, s, p, write
     N, din = x.shape
     write_ga = ga32_run is not None
     thresh, inv = _dropout_threshold(p)
-    if _use_triton(x):
+    if use_triton(x, FORCE_TRITON):
         if N == 0:
             return
         cfg = UP_BWD_CONFIG
@@ -526,7 +518,7 @@ def _up_dropout_bwd(gV_run, A_run, x, C, ga32_run, seeds_run, na, r, s, p, write
             C if write_c else x, C.stride(0) if write_c else 0, ga32_run if write_ga else x,
             ga32_run.stride(0) if write_ga else 0, seeds_run, N, din, r, thresh, s * inv, RP=_rank_pad(r), NA=na,
             WRITE_C=write_c, ACCUMULATE=accumulate, WRITE_GA=write_ga,
-            DOT_F32=_interpreted() or x.dtype == torch.float32, **MASK_CONFIG, **cfg, INT64_IDX=int64_idx)
+            DOT_F32=interpreting() or x.dtype == torch.float32, **MASK_CONFIG, **cfg, INT64_IDX=int64_idx)
         return
     inv = 1.0 / (1.0 - p)
     step = CPU_MASK_ROWS * 8

@@ -6,6 +6,17 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels import lm_head_rows
+
+#: The dtypes both ops take for hidden, weight and bias.
+LM_HEAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def chunk_budget(chunk_bytes: int) -> int:
+    """The ops' ``chunk_bytes`` argument as a logits-chunk budget in bytes: 0 (or less) means
+    ``lm_head_rows.DEFAULT_CHUNK_BYTES`` (read at call time)."""
+    return int(chunk_bytes) if chunk_bytes and chunk_bytes > 0 else lm_head_rows.DEFAULT_CHUNK_BYTES
+
 
 def flatten_and_grad_flags(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]
                            ) -> Tuple[Tensor, Tensor, bool, bool, bool]:

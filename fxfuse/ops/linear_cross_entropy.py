@@ -50,7 +50,8 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
-from ._lm_head import check_class_indices, empty_weight_grads, flatten_and_grad_flags
+from ._lm_head import (LM_HEAD_DTYPES, check_class_indices, chunk_budget, empty_weight_grads,
+                       flatten_and_grad_flags)
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
 from ._autocast import register_autocast_casts
@@ -58,7 +59,6 @@ from ._autocast import register_autocast_casts
 __all__ = ["linear_cross_entropy"]
 
 _OP = "fxfuse::linear_cross_entropy"
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -67,17 +67,13 @@ def _check_linear_cross_entropy(hidden, weight, target, bias=None, reduction="me
                                 label_smoothing=0.0):
     """The op's contract, one place for the public function, the fake impl and the real impls."""
     c = OpContract(_OP, hidden=hidden, weight=weight, target=target, bias=bias)
-    c.lm_head_operands("hidden", "weight", "target", "bias", _FLOATS)
+    c.lm_head_operands("hidden", "weight", "target", "bias", LM_HEAD_DTYPES)
     if reduction not in _REDUCTIONS:
         c.fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if softcap is not None and softcap < 0:
         c.fail(f"softcap must be > 0 (or 0/None for none), got {softcap}")
     if not 0.0 <= label_smoothing <= 1.0:
         c.fail(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-
-
-def _chunk_bytes(chunk_bytes: int) -> int:
-    return int(chunk_bytes) if chunk_bytes and chunk_bytes > 0 else K.DEFAULT_CHUNK_BYTES
 
 
 # ================================================================================================ forward op
@@ -98,7 +94,7 @@ def linear_cross_entropy_fwd(
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     check_class_indices(_OP, target, weight.shape[0], ignore_index)
     outs = K.lce_forward(hidden, weight, target.long(), bias, ignore_index, reduction, softcap, scale,
-                         label_smoothing, grad_in_forward, wh, ww, wb, _chunk_bytes(chunk_bytes))
+                         label_smoothing, grad_in_forward, wh, ww, wb, chunk_budget(chunk_bytes))
     # 0-dim flag saved with gradients computed in the forward: set by the first backward that consumes them.
     consumed = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (*outs, consumed)
@@ -129,7 +125,7 @@ def linear_cross_entropy_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return K.lce_backward(grad_loss, hidden, weight, target.long(), bias, lse, ignore_index, reduction, softcap,
                           scale, label_smoothing, grad_hidden, grad_weight, grad_bias and bias is not None,
-                          _chunk_bytes(chunk_bytes))
+                          chunk_budget(chunk_bytes))
 
 
 @linear_cross_entropy_bwd.register_fake

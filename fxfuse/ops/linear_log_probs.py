@@ -46,14 +46,14 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
-from ._lm_head import check_class_indices, empty_weight_grads, flatten_and_grad_flags
+from ._lm_head import (LM_HEAD_DTYPES, check_class_indices, chunk_budget, empty_weight_grads,
+                       flatten_and_grad_flags)
 from ..kernels import linear_log_probs as K
 from ._autocast import register_autocast_casts
 
 __all__ = ["linear_log_probs"]
 
 _OP = "fxfuse::linear_log_probs"
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ================================================================================================ contract
@@ -61,15 +61,11 @@ def _check_linear_log_probs(hidden, weight, index, bias=None, temperature=1.0, s
     """The op's contract, one place for the public function, the fake impl and the real impl (the lm-head
     operand checks are shared with the other lm-head ops through ``OpContract.lm_head_operands``)."""
     c = OpContract(_OP, hidden=hidden, weight=weight, index=index, bias=bias)
-    c.lm_head_operands("hidden", "weight", "index", "bias", _FLOATS)
+    c.lm_head_operands("hidden", "weight", "index", "bias", LM_HEAD_DTYPES)
     if not (temperature > 0):
         c.fail(f"temperature must be > 0, got {temperature}")
     if softcap is not None and softcap < 0:
         c.fail(f"softcap must be > 0 (or 0/None for none), got {softcap}")
-
-
-def _chunk_bytes(chunk_bytes: int) -> int:
-    return int(chunk_bytes) if chunk_bytes and chunk_bytes > 0 else K.DEFAULT_CHUNK_BYTES
 
 
 # ================================================================================================ forward op
@@ -81,7 +77,7 @@ def linear_log_probs_fwd(
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     check_class_indices(_OP, index, weight.shape[0], None, what="index")
     return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
-                          bool(return_entropy), _chunk_bytes(chunk_bytes))
+                          bool(return_entropy), chunk_budget(chunk_bytes))
 
 
 @linear_log_probs_fwd.register_fake
@@ -106,7 +102,7 @@ def linear_log_probs_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return K.logp_backward(grad_logp, grad_entropy, hidden, weight, index.long(), bias, lse, ez,
                            float(temperature), float(softcap), grad_hidden, grad_weight, grad_bias,
-                           _chunk_bytes(chunk_bytes))
+                           chunk_budget(chunk_bytes))
 
 
 @linear_log_probs_bwd.register_fake
