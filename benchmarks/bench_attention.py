@@ -24,8 +24,11 @@ import torch
 from _common import bench, rel  # noqa: E402  (same method as the anchors)
 import torch.nn.functional as F
 
-from fxfuse.kernels import softcap_attention as K
-from fxfuse.ops.softcap_attention import softcap_attention
+from fxfuse.attention import block_map, launching
+from fxfuse.attention.backward import attention_bwd_triton
+from fxfuse.attention.forward import attention_fwd_triton
+from fxfuse.attention.op import softcap_attention
+from fxfuse.attention.reference import attention_reference
 
 T0 = time.time()
 OUT = os.environ.get("OUT", "/tmp")
@@ -46,7 +49,7 @@ def save():
     import triton
     meta = dict(torch=torch.__version__, triton=triton.__version__,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                argv=sys.argv[1:], configs=CFG, defaults={str(k): v for k, v in K.DEFAULT_CONFIGS.items()})
+                argv=sys.argv[1:], configs=CFG, defaults={str(k): v for k, v in launching.DEFAULT_CONFIGS.items()})
     with open(os.path.join(OUT, "attention.json"), "w") as f:
         json.dump(dict(meta=meta, rows=ROWS), f, indent=1)
 
@@ -100,11 +103,11 @@ def sec_check():
                 ~keep, torch.finfo(dt).min)
         sc = Dh ** -0.5
         qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-        ref = K.attention_reference(qd, kd, vd, mask, sc, cap, causal, win)
+        ref = attention_reference(qd, kd, vd, mask, sc, cap, causal, win)
         ref.backward(do.double())
         try:
-            out, lse = K.attention_fwd_triton(q, k, v, mask, sc, cap, causal, win, config=CFG)
-            dq, dk, dv = K.attention_bwd_triton(do, q, k, v, mask, out, lse, sc, cap, causal, win, config=CFG)
+            out, lse = attention_fwd_triton(q, k, v, mask, sc, cap, causal, win, config=CFG)
+            dq, dk, dv = attention_bwd_triton(do, q, k, v, mask, out, lse, sc, cap, causal, win, config=CFG)
             torch.cuda.synchronize()
             finite = all(bool(torch.isfinite(t).all()) for t in (out, dq, dk, dv))
             emit(section="check", case=f"B{B} H{Hq}/{Hkv} S{S} Skv{Skv} D{Dh} cap{cap} causal{int(causal)} "
@@ -126,7 +129,7 @@ def sec_check():
             o = cf(q, k, v)
             o.backward(torch.ones_like(o))
             qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-            ref = K.attention_reference(qd, kd, vd, None, 128 ** -0.5, 50.0, True, 100)
+            ref = attention_reference(qd, kd, vd, None, 128 ** -0.5, 50.0, True, 100)
             ref.backward(torch.ones_like(ref))
             emit(section="check", case=f"torch.compile inductor dynamic S{S}", out_rel=rel(o, ref),
                  dq_rel=rel(q.grad, qd.grad), dk_rel=rel(k.grad, kd.grad))
@@ -173,7 +176,7 @@ def sec_tune():
         q, k, v, do = make(B, Hq, Hkv, S, Dh)
         q, k, v = q.detach(), k.detach(), v.detach()
         sc = Dh ** -0.5
-        out, lse = K.attention_fwd_triton(q, k, v, None, sc, cap, True, win or 0)
+        out, lse = attention_fwd_triton(q, k, v, None, sc, cap, True, win or 0)
         best = {}
         for kind in TUNE:  # in the order given (later kernels are timed with the earlier ones' best)
             results = []
@@ -184,10 +187,10 @@ def sec_tune():
                 cfg[kind] = c
                 try:
                     if kind == "fwd":
-                        fn = lambda: K.attention_fwd_triton(q, k, v, None, sc, cap, True, win or 0, config=cfg)
+                        fn = lambda: attention_fwd_triton(q, k, v, None, sc, cap, True, win or 0, config=cfg)
                     else:
-                        fn = lambda: K.attention_bwd_triton(do, q, k, v, None, out, lse, sc, cap, True, win or 0,
-                                                            config=cfg)
+                        fn = lambda: attention_bwd_triton(do, q, k, v, None, out, lse, sc, cap, True, win or 0,
+                                                          config=cfg)
                     fn()
                     torch.cuda.synchronize()
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -210,7 +213,7 @@ class _Fn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scaling, softcap, causal, window, cfg):
-        out, lse = K.attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=cfg)
+        out, lse = attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.a = (mask, scaling, softcap, causal, window, cfg)
         return out
@@ -219,8 +222,8 @@ class _Fn(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         mask, scaling, softcap, causal, window, cfg = ctx.a
-        dq, dk, dv = K.attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, window,
-                                            config=cfg)
+        dq, dk, dv = attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, window,
+                                          config=cfg)
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -302,12 +305,12 @@ def sec_table():
 
             def step():
                 q.grad = k.grad = v.grad = None
-                K.MASK_BLOCK_RANGES = "every block" not in iname  # the mask read in every block, as before
-                K.FAST_TANH = "exact tanh" not in iname  # tanh from exp2 (two MUFU ops) instead of tanh.approx
-                K.BLOCK_MAJOR_GRID = "head-major" not in iname  # grid (blocks, heads): per-head heaviest-first
+                block_map.MASK_BLOCK_RANGES = "every block" not in iname  # the mask read in every block, as before
+                launching.FAST_TANH = "exact tanh" not in iname  # tanh from exp2 (two MUFU ops) instead of tanh.approx
+                launching.BLOCK_MAJOR_GRID = "head-major" not in iname  # grid (blocks, heads): per-head heaviest-first
                 o = fn(q, k, v)
                 o.backward(do)
-                K.MASK_BLOCK_RANGES = K.FAST_TANH = K.BLOCK_MAJOR_GRID = True
+                block_map.MASK_BLOCK_RANGES = launching.FAST_TANH = launching.BLOCK_MAJOR_GRID = True
                 return o
             try:
                 o = step()

@@ -14,7 +14,7 @@ Impls (a row is skipped, with the reason, where an impl does not apply to a layo
                       flex_attention compiled with torch.compile(dynamic=False); docs8 mask_mod:
                       (q >= k) & (doc_ids[q] == doc_ids[k])                                                both
   fxfuse              torch.ops.fxfuse.softcap_attention(q, k, v, None, scale, 0.0, True, 0, 0, doc_ranges, None),
-                      doc_ranges = fxfuse.ops.softcap_attention.document_ranges(doc_ids) for docs8 (built once,
+                      doc_ranges = fxfuse.ops.document_ranges(doc_ids) for docs8 (built once,
                       timed apart: doc_ranges_ms), None for causal                                           both
   fxfuse_mask         the op given a bool [1, 1, S, S] mask tensor, causal=False (the old path)   docs8, S <= --mask-max
   sdpa_cudnn_perdoc   cuDNN SDPA is_causal on the 8 documents as a batch of 8 (views of q, k, v; the floor
@@ -157,7 +157,7 @@ def _fx_op():
     """torch.ops.fxfuse.softcap_attention and whether it takes (doc_ranges, key_valid)."""
     import torch
 
-    importlib.import_module("fxfuse.ops.softcap_attention")  # registers the op
+    importlib.import_module("fxfuse.ops")  # registers the op
 
     op = torch.ops.fxfuse.softcap_attention
     names = [a.name for a in op.default._schema.arguments]
@@ -231,11 +231,10 @@ def build_impl(impl, layout, S, dev, q, k, v, doc_ids, row, cpu_standin):
             return lambda q, k, v: op(q, k, v, mask, scale, 0.0, False, 0, 0, *tail)[0]
         if layout == "causal":
             return lambda q, k, v: op(q, k, v, None, scale, 0.0, True, 0, 0, *tail)[0]
-        # not `import fxfuse.ops.softcap_attention as sa`: fxfuse.ops re-exports the *function* softcap_attention
-        # under the submodule's name, and `import a.b as c` binds getattr(a, "b"), i.e. the function
-        sa = importlib.import_module("fxfuse.ops.softcap_attention")
+        # fxfuse.ops re-exports document_ranges wherever the op is defined (fxfuse.attention.op today)
+        sa = importlib.import_module("fxfuse.ops")
         if not recipe_api or not hasattr(sa, "document_ranges"):
-            raise Skip("this fxfuse has no recipe API yet (fxfuse.ops.softcap_attention.document_ranges / the "
+            raise Skip("this fxfuse has no recipe API yet (fxfuse.ops.document_ranges / the "
                        "op's doc_ranges argument): fxfuse docs8 rows skipped")
         _sync(dev)
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import bench, jsonl_emitter, rel  # noqa: E402
 
-from fxfuse.ops.softcap_attention import softcap_attention  # noqa: E402
+from fxfuse.attention.op import softcap_attention  # noqa: E402
 
 emit = jsonl_emitter("sdpa_mask.jsonl")
 

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import DEV, SMOKE, bench, jsonl_emitter, rel  # noqa: E402
 
 import fxfuse  # noqa: E402
-from fxfuse.kernels import softcap_attention as K  # noqa: E402
-from fxfuse.ops.softcap_attention import softcap_attention  # noqa: E402
+from fxfuse.attention.op import softcap_attention  # noqa: E402
+from fxfuse.attention.reference import attention_reference  # noqa: E402
 
 emit = jsonl_emitter("varlen.jsonl")
 
@@ -68,7 +68,7 @@ def sec_check():
                 out = softcap_attention(q, k, v, mask=mask, softcap=cap, masked_rows=name)
                 g = torch.autograd.grad(out, (q, k, v), do)
                 qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-                ref = K.attention_reference(qd, kd, vd, mask, D ** -0.5, cap, False, 0, masked_rows=mode)
+                ref = attention_reference(qd, kd, vd, mask, D ** -0.5, cap, False, 0, masked_rows=mode)
                 gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
                 emit(section="check", what=f"left-padded masked_rows={name}", dtype=str(dt), D=D, softcap=cap,
                      out=rel(out, ref), dq=rel(g[0], gr[0]), dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))
@@ -107,7 +107,7 @@ def sec_heads():
             out = softcap_attention(q, k, v, mask=mask)
             g = torch.autograd.grad(out, (q, k, v), do)
             qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-            ref = K.attention_reference(qd, kd, vd, mask, D ** -0.5, 0.0, False, 0, masked_rows=0)
+            ref = attention_reference(qd, kd, vd, mask, D ** -0.5, 0.0, False, 0, masked_rows=0)
             gr = torch.autograd.grad(ref, (qd, kd, vd), do.double())
             emit(section="heads", what="op", dtype=str(dt), D=D, out=rel(out, ref), dq=rel(g[0], gr[0]),
                  dk=rel(g[1], gr[1]), dv=rel(g[2], gr[2]))

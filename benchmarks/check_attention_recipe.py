@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fxfuse.kernels.softcap_attention import attention_reference  # noqa: E402
+from fxfuse.attention.reference import attention_reference  # noqa: E402
 from fxfuse.ops import document_ranges, softcap_attention  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")

@@ -40,6 +40,7 @@ from _common import DEV, SMOKE, jsonl_emitter  # noqa: E402
 import fxfuse  # noqa: E402,F401
 from fxfuse.kernels import linear_cross_entropy as KLCE  # noqa: E402
 from fxfuse.kernels import linear_log_probs as KLOGP  # noqa: E402
+from fxfuse.kernels import lm_head_rows  # noqa: E402
 from fxfuse.kernels import lora_linear as KLORA  # noqa: E402
 from fxfuse.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from fxfuse.ops.linear_log_probs import linear_log_probs  # noqa: E402
@@ -192,7 +193,7 @@ def _lm_inputs(seed=0):
 def _one_chunk_bytes(N, V, elem=2):
     """A ``chunk_bytes`` for which the whole [N, V] logits are one chunk (rows_per_chunk rounds to 128 rows)."""
     cb = (N + 128) * V * elem
-    assert KLCE.rows_per_chunk(V, elem, cb, N) == N
+    assert lm_head_rows.rows_per_chunk(V, elem, cb, N) == N
     return cb
 
 

@@ -4,7 +4,9 @@ Run: python benchmarks/sweep_attention_bwd.py  (rows to $OUT/attn_bwd_sweep.json
 import json, os, sys
 import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fxfuse.kernels import softcap_attention as K  # noqa: E402
+from fxfuse.attention.backward import attention_bwd_triton  # noqa: E402
+from fxfuse.attention.forward import attention_fwd_triton  # noqa: E402
+from fxfuse.attention.launching import DEFAULT_CONFIGS  # noqa: E402
 from fxfuse.ops import document_ranges  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -34,9 +36,9 @@ v = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
 do = torch.randn(1, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
 for layout in ("docs8",):
     dr = document_ranges(torch.arange(S, device="cuda")[None] // (S // 8)) if layout == "docs8" else None
-    out, lse = K.attention_fwd_triton(q, k, v, None, D ** -0.5, 0.0, True, 0, doc_ranges=dr)
+    out, lse = attention_fwd_triton(q, k, v, None, D ** -0.5, 0.0, True, 0, doc_ranges=dr)
     ref = None
-    d_dkdv, d_dq = K.DEFAULT_CONFIGS[(128, 2)]["dkdv"], K.DEFAULT_CONFIGS[(128, 2)]["dq"]
+    d_dkdv, d_dq = DEFAULT_CONFIGS[(128, 2)]["dkdv"], DEFAULT_CONFIGS[(128, 2)]["dq"]
     grid = [(c, d_dq) for c in [(32, 128, 8, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2),
                                 (32, 128, 4, 2)]]
     grid += [(d_dkdv, c) for c in [(128, 64, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 8, 2)]]
@@ -44,8 +46,8 @@ for layout in ("docs8",):
         if True:
             cfg = {"dkdv": dkdv, "dq": dq}
             try:
-                fn = lambda: K.attention_bwd_triton(do, q, k, v, None, out, lse, D ** -0.5, 0.0, True, 0, config=cfg,
-                                                    doc_ranges=dr)
+                fn = lambda: attention_bwd_triton(do, q, k, v, None, out, lse, D ** -0.5, 0.0, True, 0, config=cfg,
+                                                  doc_ranges=dr)
                 grads = fn()
                 if ref is None:
                     ref = grads

@@ -24,9 +24,17 @@ import contextlib
 from .errors import (FxFuseContractError, FxFuseError, FxFuseOptionsError, FxFusePassError, FxFuseValidationError,
                      PassRegistrationError)
 from .registry import PassOption, register_pass, registered_passes
-from .report import FusionReport, SiteRecord, clear_reports, report, reports
+from .report import FusionReport, SiteRecord
+from .version import __version__
 
-__version__ = "0.1.0"
+# The fused ops and the built-in passes load now: the pass registry is checked at import, not at the first compile.
+# ``fxfuse.passes`` is the top-level passes/ folder, installed under that name by the packaging configuration.
+from . import ops  # noqa: E402,F401
+from . import passes  # noqa: E402,F401
+
+from .api import clear_reports, compile, report, reports  # noqa: E402  (compile: fxfuse.compile, not the builtin)
+from .inductor_hook import install, uninstall  # noqa: E402
+from .regions import compile_regions, undo_compile_regions  # noqa: E402
 
 __all__ = [
     "compile", "compile_regions", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
@@ -44,49 +52,10 @@ def debug(dump_dir: str):
     """
     import depyf
 
-    from . import backend as _backend
+    from .pass_manager import default_debug_dir
 
-    prev = _backend._DEFAULT_DEBUG_DIR
-    _backend._DEFAULT_DEBUG_DIR = dump_dir
-    try:
-        with depyf.prepare_debug(dump_dir):
-            yield
-    finally:
-        _backend._DEFAULT_DEBUG_DIR = prev
-
-
-def _import_passes():
-    """Import ``fxfuse.passes``. Installed, it is a subpackage; in a source checkout used without installing
-    (``PYTHONPATH=.``), the top-level ``passes/`` folder is loaded under that name."""
-    import importlib
-    import importlib.util
-    import os
-    import sys
-
-    try:
-        return importlib.import_module(f"{__name__}.passes")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.passes":
-            raise
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "passes")
-    spec = importlib.util.spec_from_file_location(f"{__name__}.passes", os.path.join(src, "__init__.py"),
-                                                  submodule_search_locations=[src])
-    if spec is None:
-        raise PassRegistrationError(f"fxfuse.passes is not installed and {src} does not exist")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-# Load the built-in passes now: the registry is checked here, at import, not at first compile.
-from . import ops  # noqa: E402,F401
-_passes = _import_passes()
-passes = _passes
-
-from .api import compile  # noqa: E402  (shadows the builtin inside this package only as fxfuse.compile)
-from .inductor_hook import install, uninstall  # noqa: E402
-from .regions import compile_regions, undo_compile_regions  # noqa: E402
+    with default_debug_dir(dump_dir), depyf.prepare_debug(dump_dir):
+        yield
 
 
 def _register_backend_without_entry_point() -> None:

@@ -127,7 +127,7 @@ def _op_rows() -> List[Tuple[str, str, str]]:
         fn = getattr(ops, name)
         mod = importlib.import_module(fn.__module__)
         kernels = [v for v in vars(mod).values() if isinstance(v, types.ModuleType)
-                   and v.__name__.startswith(f"{__package__}.kernels.")]
+                   and v.__name__.startswith((f"{__package__}.kernels.", f"{__package__}.attention."))]
         if JITFunction is None:
             gpu = "Triton kernels: unknown (triton not installed)"
         else:

@@ -1,4 +1,6 @@
-"""``fxfuse.compile``: ``torch.compile(model, backend="fxfuse", ...)`` with the options checked at the call.
+"""The user-facing entry functions: ``fxfuse.compile`` and the published fusion reports.
+
+``fxfuse.compile``: ``torch.compile(model, backend="fxfuse", ...)`` with the options checked at the call.
 
 Why a wrapper: ``torch.compile`` hands ``options`` to the backend only at the first forward, inside Dynamo, so a
 misspelt option would surface in the middle of the first training step (and wrapped in Dynamo's errors). Here
@@ -7,13 +9,17 @@ options can be given as keyword arguments.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Union
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
+from . import report_log
+from .inductor_hook import installed
 from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
+from .report import FusionReport
 
-__all__ = ["compile"]
+__all__ = ["compile", "report", "reports", "clear_reports"]
 
 _TORCH_COMPILE_KWARGS = ("mode", "dynamic", "fullgraph", "options", "disable")
 _MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -68,3 +74,48 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
     if model is None:
         return lambda fn: torch.compile(fn, **kwargs)
     return torch.compile(model, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+_cache_hits_seen = 0
+
+
+def _warn_about_cached_graphs() -> None:
+    """Under :func:`fxfuse.install`, torch (2.13) looks a graph up in AOTAutograd's cache *before* Inductor's pre-grad
+    passes: on a hit the cached code (fused, as compiled when the cache was filled, and keyed on fxfuse's pass uuid)
+    runs, but fxfuse's pass did not run in this process and left no report. Say so instead of showing an empty or
+    partial list as if nothing had been fused."""
+    global _cache_hits_seen
+    try:
+        if not installed():
+            return
+        from torch._dynamo.utils import counters
+
+        hits = int(counters["aot_autograd"].get("autograd_cache_hit", 0))
+    except Exception:  # a diagnostic must never break the caller
+        return
+    if hits > _cache_hits_seen:
+        warnings.warn(f"fxfuse: {hits - _cache_hits_seen} graph(s) compiled since the last call came from AOTAutograd's "
+                      "on-disk cache, which torch looks up before Inductor's pre-grad passes: the cached code (fused as "
+                      "when it was cached) runs, but fxfuse's passes did not run in this process, so their reports "
+                      "are missing here. TORCHINDUCTOR_AUTOGRAD_CACHE=0 recompiles them and brings the reports back.",
+                      stacklevel=3)
+        _cache_hits_seen = hits
+
+
+def report() -> FusionReport:
+    """The report of the most recent graph fxfuse compiled (an empty report if none yet)."""
+    _warn_about_cached_graphs()
+    return report_log.latest() or FusionReport(graph_name="<nothing compiled with fxfuse yet>")
+
+
+def reports() -> List[FusionReport]:
+    """Every report since start-up or the last :func:`clear_reports`, oldest first. Under :func:`fxfuse.install`,
+    graphs served from AOTAutograd's cache have none (a warning says how many)."""
+    _warn_about_cached_graphs()
+    return report_log.published()
+
+
+def clear_reports() -> None:
+    """Forget the published reports."""
+    report_log.clear()

@@ -125,7 +125,7 @@ def _is_fusion(spec) -> bool:
 def summarize(reports) -> List[str]:
     """One line per pass that changed something: sites, fusion or rewrite, and the memory it saved."""
     import fxfuse
-    from fxfuse.report import _fmt_bytes
+    from fxfuse.report import format_bytes
 
     specs = {s.name: s for s in fxfuse.registered_passes()}
     by_pass = {}
@@ -140,7 +140,7 @@ def summarize(reports) -> List[str]:
             kind = "rewrite, not a fusion: " + spec.description.split(" -> ")[-1]
         else:
             kind = "fusion -> " + (spec.description.split(" -> ")[-1] if spec is not None else "user pass")
-        lines.append(f"  {name:<22} {sites:>2} site{'s' if sites != 1 else ' '}  {kind}  (saves ~{_fmt_bytes(saved)})")
+        lines.append(f"  {name:<22} {sites:>2} site{'s' if sites != 1 else ' '}  {kind}  (saves ~{format_bytes(saved)})")
     rolled = [s for r in reports for s in r.rolled_back]
     for s in rolled:
         lines.append(f"  {s.pass_name:<22} rolled back: {s.reason}")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 
 __all__ = [
-    "node_val", "op_kind", "arg", "graph_modules", "is_kind", "users_of", "size_hint", "numel_hint",
+    "node_val", "op_kind", "arg", "graph_modules", "size_hint", "numel_hint",
     "SHAPE_ONLY_KINDS", "const_number", "known_true", "copy_node_meta", "erase_unused",
 ]
 
@@ -62,7 +62,7 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "logical_not": ("input",),
     "invert": ("input",),
     "repeat_interleave": ("input", "repeats", "dim", "output_size"),
-    # index arithmetic of attention-mask builders (passes/_mask_recipe.py)
+    # index arithmetic of attention-mask builders (fxfuse/attention/mask_recipe.py)
     "arange": ("start", "end", "step"),
     "le": ("input", "other"), "lt": ("input", "other"), "ge": ("input", "other"), "gt": ("input", "other"),
     "eq": ("input", "other"), "ne": ("input", "other"),
@@ -145,10 +145,6 @@ def op_kind(n: Any) -> Optional[str]:
     return None
 
 
-def is_kind(n: Any, *kinds: str) -> bool:
-    return op_kind(n) in kinds
-
-
 _MISSING = object()
 
 
@@ -227,10 +223,6 @@ def erase_unused(graph: fx.Graph, nodes: List[fx.Node]) -> List[fx.Node]:
                 erased.append(n)
                 changed = True
     return erased
-
-
-def users_of(n: fx.Node) -> List[fx.Node]:
-    return list(n.users)
 
 
 def graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[Tuple[str, fx.GraphModule]]:

@@ -6,8 +6,8 @@ and ``torch_compile_backend="fxfuse"`` is refused by accelerate's closed list of
 documented extension point that sees the same graph fxfuse's backend sees (the Dynamo graph, torch IR, before
 autograd): ``torch._inductor.config.pre_grad_custom_pass``. :func:`install` puts a
 :class:`~torch._inductor.custom_graph_pass.CustomGraphPass` there that runs the backend's own pipeline
-(``fxfuse.backend._run_passes``: every enabled pass, validated, rolled back on its own) and publishes the fusion
-report as usual (``fxfuse.report()`` / ``fxfuse.reports()``)::
+(:class:`fxfuse.pass_manager.PassManager`: every enabled pass, validated, rolled back on its own) and publishes
+the fusion report as usual (``fxfuse.report()`` / ``fxfuse.reports()``)::
 
     import fxfuse
     fxfuse.install()                      # or: with fxfuse.install(strict=True): ...
@@ -35,15 +35,15 @@ The pass composes with a ``pre_grad_custom_pass`` the user set before: both run 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from typing import Any, Dict, Optional
 
 import torch
 
+from . import registry
 from .errors import FxFuseError
 from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
+from .pass_manager import PASSES_RAN, PassManager
 
 log = logging.getLogger("fxfuse")
 
@@ -70,8 +70,6 @@ def _hook_support() -> Optional[str]:
 def _installed_options(options: Dict[str, Any]) -> FxFuseOptions:
     """Checked options for installed mode: fxfuse's keys only, and materialised logits for every pass that can
     return lazy ones (an output substitution cannot be applied from inside Inductor)."""
-    from . import registry
-
     for key in options:
         if key in _NOT_IN_INSTALLED_MODE:
             raise FxFuseOptionsError(f"fxfuse.install(): {key!r} does not apply (Inductor compiles the graph)")
@@ -94,16 +92,6 @@ def _installed_options(options: Dict[str, Any]) -> FxFuseOptions:
                 f"backend='fxfuse') for lazy logits")
         opts.pass_options.setdefault(spec.name, {})["logits"] = "materialize"
     return opts
-
-
-def _callable_fingerprint(fn: Any) -> Optional[str]:
-    """A stable description of a user pass's code (for the cache key), or None if it cannot be told."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
-    if code is None:
-        return None
-    h = hashlib.sha256(code.co_code)
-    h.update(repr(code.co_consts).encode())
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}:{h.hexdigest()}"
 
 
 def _is_dynamo_graph(gm: Any) -> bool:
@@ -131,27 +119,20 @@ def _make_pass_class():
             gm = graph.owning_module
             if not _is_dynamo_graph(gm):
                 return
-            from .backend import PASSES_RAN
-
             if gm.meta.get(PASSES_RAN):  # compiled through backend="fxfuse": its passes already ran
                 return
             run_passes_in_inductor(gm, self.opts)
 
         def uuid(self) -> Any:
-            from .backend import source_hash
-
-            extra = [_callable_fingerprint(fn) for fn in self.opts.extra_passes]
-            if any(e is None for e in extra):
+            key = _manager(self.opts).uuid()
+            if key is None:
                 return None  # a user pass whose code cannot be fingerprinted: no caching
             prev = None
             if self.previous is not None:
                 prev = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
                 if prev is None:
                     return None
-            opts = self.opts
-            return ("fxfuse-pre-grad", source_hash(), repr(opts.passes), repr(sorted(
-                (k, sorted(v.items())) for k, v in opts.pass_options.items())), opts.strict, opts.verify,
-                opts.debug_dir, tuple(extra), prev)
+            return ("fxfuse-pre-grad", *key, prev)
 
     return FxFusePreGradPass
 
@@ -167,50 +148,18 @@ def _pass_class():
 
 
 def run_passes_in_inductor(gm: torch.fx.GraphModule, opts: FxFuseOptions) -> None:
-    """fxfuse's pipeline on the Dynamo graph Inductor is about to lower: every enabled pass, validated and rolled
-    back on its own, and the report published, like the backend does; example inputs are the placeholders' fake
-    values and the fake mode is the compile's."""
+    """fxfuse's pipeline on the Dynamo graph Inductor is about to lower, in place (no output substitution from
+    here); example inputs are the placeholders' fake values and the fake mode is the compile's."""
     from torch._guards import TracingContext
 
-    from . import registry
-    from .backend import (PASSES_RAN, _DEFAULT_DEBUG_DIR, _dump, _graph_name, _run_passes)
-    from .report import FUSED, ROLLED_BACK, FusionReport, SiteRecord, _publish
-    from .validation import GraphSnapshot
-
-    specs = [s for s in registry.registered_passes() if opts.enabled(s.name, s.enabled_by_default)]
-    specs += [registry.user_pass_spec(fn, i) for i, fn in enumerate(opts.extra_passes)]
-    gm.meta[PASSES_RAN] = True
-    if not specs:
-        return
     tc = TracingContext.try_get()
     fake_mode = tc.fake_mode if tc is not None else None
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    example_inputs = [n.meta.get("example_value", n.meta.get("val")) for n in phs]
-    rep = FusionReport(graph_name=_graph_name(), num_nodes=len(gm.graph.nodes))
-    debug_dir = opts.debug_dir or _DEFAULT_DEBUG_DIR
-    tag = rep.graph_name.replace(" ", "_").replace("/", "_")
-    if debug_dir:
-        _dump(debug_dir, f"{tag}.0_dynamo.py", gm)
-    pristine = GraphSnapshot(gm)
-    subs = _run_passes(gm, example_inputs, specs, opts, rep, fake_mode)
-    if subs:  # installed options never ask for one; a pass that does anyway must not change what callers get
-        pristine.restore()
-        problem = (f"pass {subs[0].pass_name} substituted a graph output, which cannot be done from inside "
-                   f"Inductor")
-        for r in rep.records:
-            if r.status == FUSED:
-                r.status, r.reason = ROLLED_BACK, "undone with the whole graph: " + problem
-        rep.records.append(SiteRecord("<fxfuse>", ROLLED_BACK, "every pass", problem, "<fxfuse.install>"))
-        if opts.strict:
-            from .errors import raised_through_dynamo
+    example_inputs = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    _manager(opts).run(gm, example_inputs, fake_mode)
 
-            raise raised_through_dynamo(FxFuseError(f"fxfuse left this graph unfused: {problem}"))
-        log.warning("fxfuse left this graph unfused: %s", problem)
-    _publish(rep)
-    if debug_dir:
-        _dump(debug_dir, f"{tag}.1_after_fxfuse.py", gm)
-        with open(os.path.join(debug_dir, f"{tag}.report.txt"), "w") as f:
-            f.write(str(rep) + "\n")
+
+def _manager(opts: FxFuseOptions) -> PassManager:
+    return PassManager(opts, entry_point="fxfuse.install", can_substitute_outputs=False)
 
 
 class Installation:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["LazyLogits", "apply_recipe", "is_lazy"]
+__all__ = ["LazyLogits", "apply_recipe"]
 
 # Reads that must not materialise: they only look at metadata.
 _METADATA = {
@@ -120,7 +120,3 @@ class LazyLogits(torch.Tensor):
 def _versions(*ts) -> Tuple[int, ...]:
     """In-place modification counters of the tensors the logits are computed from (-1 for None)."""
     return tuple(t._version if isinstance(t, torch.Tensor) else -1 for t in ts)
-
-
-def is_lazy(t: Any) -> bool:
-    return isinstance(t, LazyLogits)

@@ -176,17 +176,6 @@ class FxFuseOptions:
             return bool(self.passes.get(name, default))
         return name in self.passes
 
-    def check_pass_names(self, known: Sequence[str]) -> None:
-        """Raise if ``passes`` names a pass not in ``known`` (``parse`` already checks against the registry)."""
-        if self.passes is None:
-            return
-        names = list(self.passes.keys() if isinstance(self.passes, dict) else self.passes)
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise FxFuseOptionsError(_join(f"options['passes'] names unknown pass {bad[0]!r}",
-                                           did_you_mean(bad[0], known), f"known passes: {', '.join(known)}"))
-
-
 def _pass_names() -> Dict[str, Any]:
     """Registered passes by name (their specs carry the declared options)."""
     from . import registry

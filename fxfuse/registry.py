@@ -8,6 +8,7 @@ imported, never a ``KeyError`` the first time a user compiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ import torch
 
 from .errors import PassRegistrationError
 
-__all__ = ["PassSpec", "PassOption", "register_pass", "load_pass_package", "registered_passes", "get_pass"]
+__all__ = ["PassSpec", "PassOption", "register_pass", "load_pass_package", "registered_passes", "find_pass", "get_pass",
+           "user_pass_spec"]
 
 
 _OPTION_TYPES = (bool, int, float, str)
@@ -107,7 +109,8 @@ class PassSpec:
     """A registered graph pass.
 
     ``fn(gm, ctx) -> int`` rewrites ``gm`` in place (recursing into subgraphs through ``ctx``) and returns the
-    number of sites it changed. ``order`` sorts passes; lower runs first.
+    number of sites it changed. ``order`` sorts passes; lower runs first (the built-in passes get theirs from the
+    explicit list in ``passes/__init__.py``).
     """
 
     name: str
@@ -126,9 +129,12 @@ _MODULE_OF_PASS: Dict[str, str] = {}
 _LOADED_PACKAGES: Dict[str, List[PassSpec]] = {}
 
 
-def register_pass(name: str, *, order: int, description: str, enabled_by_default: bool = True,
+def register_pass(name: str, *, description: str, order: Optional[int] = None, enabled_by_default: bool = True,
                   options: Optional[Mapping[str, Any]] = None):
-    """Decorator: register ``fn(gm: GraphModule, ctx: PassContext) -> int`` as a built-in pass called ``name``.
+    """Decorator: register ``fn(gm: GraphModule, ctx: PassContext) -> int`` as a pass called ``name``.
+
+    ``order``: where it runs (lower first). A pass package that lists its passes in order
+    (``load_pass_package(package, order=[...])``, as ``passes/__init__.py`` does) leaves it out.
 
     ``options`` declares every pass option the pass reads, ``{option name: spec}``, the spec a :class:`PassOption`
     or a dict of its fields, e.g. ``{"max_group": {"type": int, "minimum": 2, "default": 8, "doc": "..."}}``.
@@ -146,18 +152,22 @@ def register_pass(name: str, *, order: int, description: str, enabled_by_default
             raise PassRegistrationError(
                 f"two passes are named {name!r}: one in {_MODULE_OF_PASS[name]}, one in {module}"
             )
-        _REGISTRY[name] = PassSpec(name, fn, order, description, module, enabled_by_default, options=declared)
+        _REGISTRY[name] = PassSpec(name, fn, -1 if order is None else order, description, module, enabled_by_default,
+                                   options=declared)
         _MODULE_OF_PASS[name] = module
         return fn
 
     return deco
 
 
-def load_pass_package(package: str) -> List[PassSpec]:
+def load_pass_package(package: str, order: Sequence[str] = ()) -> List[PassSpec]:
     """Import every module of ``package`` and check that each registered at least one pass.
 
-    Raises :class:`PassRegistrationError` naming the module for an import failure, a module that registers no
-    pass, or a duplicate name. Returns the package's passes sorted by ``order``.
+    ``order``: the package's pass names in the order they run; when given it must name every pass the package
+    registers, once, and it replaces their ``register_pass(order=...)``. Raises :class:`PassRegistrationError`
+    naming the module for an import failure, a module that registers no pass, a duplicate name, a pass missing
+    from ``order`` (or one ``order`` names that no module registers), or a pass with no order at all. Returns the
+    package's passes sorted by their order.
     """
     if package in _LOADED_PACKAGES:
         return _LOADED_PACKAGES[package]
@@ -184,7 +194,24 @@ def load_pass_package(package: str) -> List[PassSpec]:
                 f"@register_pass(name=..., order=..., description=...)"
             )
         specs.extend(s for s in mine if s.name not in before or s.module == modname)
-    specs = sorted({s.name: s for s in specs}.values(), key=lambda s: (s.order, s.name))
+    specs = list({s.name: s for s in specs}.values())
+    if order:
+        names = [s.name for s in specs]
+        missing, unknown = sorted(set(names) - set(order)), sorted(set(order) - set(names))
+        if missing or unknown or len(set(order)) != len(order):
+            raise PassRegistrationError(
+                f"{package}'s pass order must name each of its passes once: "
+                + "; ".join(x for x in (f"not in the order: {missing}" if missing else "",
+                                        f"in the order but not registered: {unknown}" if unknown else "",
+                                        "a name repeats" if len(set(order)) != len(order) else "") if x))
+        for s in specs:
+            _REGISTRY[s.name] = dataclasses.replace(s, order=list(order).index(s.name))
+        specs = [_REGISTRY[s.name] for s in specs]
+    unordered = [s.name for s in specs if s.order < 0]
+    if unordered:
+        raise PassRegistrationError(f"pass(es) {unordered} in {package} have no order: give register_pass(order=...) "
+                                    f"or list them in load_pass_package({package!r}, order=[...])")
+    specs = sorted(specs, key=lambda s: (s.order, s.name))
     _LOADED_PACKAGES[package] = specs
     return specs
 
@@ -192,6 +219,11 @@ def load_pass_package(package: str) -> List[PassSpec]:
 def registered_passes() -> List[PassSpec]:
     """All built-in passes, in the order they run."""
     return sorted(_REGISTRY.values(), key=lambda s: (s.order, s.name))
+
+
+def find_pass(name: str) -> Optional[PassSpec]:
+    """The built-in pass called ``name``, or None (a user's ``extra_passes`` are not registered)."""
+    return _REGISTRY.get(name)
 
 
 def get_pass(name: str) -> PassSpec:

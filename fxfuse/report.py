@@ -1,20 +1,15 @@
-"""The fusion report: what fxfuse's passes did to each compiled graph, for people and for tests.
+"""The fusion report, as data: what fxfuse's passes did to one compiled graph, for people and for tests.
 
-``fxfuse.report()`` returns the :class:`FusionReport` of the most recent graph fxfuse compiled;
-``fxfuse.reports()`` every report since the process started (or since :func:`clear_reports`). ``str(report)``
-is the human-readable table; ``report.records`` are :class:`SiteRecord` objects to assert on. Each report is also
-logged through the ``fxfuse`` logger (INFO: a summary line; DEBUG: the table).
+``str(report)`` is the human-readable table; ``report.records`` are :class:`SiteRecord` objects to assert on.
+``fxfuse.report()`` / ``fxfuse.reports()`` (in :mod:`fxfuse.api`) return the published ones
+(:mod:`fxfuse.report_log` keeps them).
 """
 from __future__ import annotations
 
-import collections
-import logging
 from dataclasses import asdict, dataclass, field
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional
 
-log = logging.getLogger("fxfuse")
-
-__all__ = ["SiteRecord", "FusionReport", "report", "reports", "clear_reports"]
+__all__ = ["SiteRecord", "FusionReport", "FUSED", "SKIPPED", "ROLLED_BACK", "format_bytes"]
 
 FUSED, SKIPPED, ROLLED_BACK = "fused", "skipped", "rolled_back"
 
@@ -39,7 +34,8 @@ class SiteRecord:
         return asdict(self)
 
 
-def _fmt_bytes(n: Optional[int]) -> str:
+def format_bytes(n: Optional[int]) -> str:
+    """``1.5 MiB``-style size (``-`` for None)."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -89,7 +85,7 @@ class FusionReport:
 
     def summary(self) -> str:
         return (f"fxfuse {self.graph_name}: {len(self.fused)} fused, {len(self.skipped)} skipped, "
-                f"{len(self.rolled_back)} rolled back; est. {_fmt_bytes(self.saved_bytes)} saved; "
+                f"{len(self.rolled_back)} rolled back; est. {format_bytes(self.saved_bytes)} saved; "
                 f"passes took {self.total_pass_ms:.1f} ms over {self.num_nodes} nodes")
 
     def __str__(self) -> str:
@@ -100,7 +96,7 @@ class FusionReport:
             lines.append("  verified against the unfused graph (worst difference / tolerance): " +
                          ", ".join(f"{k} {v:.2g}" for k, v in self.verified.items()))
         for r in self.records:
-            saved = f", saves ~{_fmt_bytes(r.saved_bytes)}" if r.saved_bytes else ""
+            saved = f", saves ~{format_bytes(r.saved_bytes)}" if r.saved_bytes else ""
             lines.append(f"  [{r.status}] {r.pass_name}: {r.op}{saved}")
             if r.reason:
                 lines.append(f"      why: {r.reason}")
@@ -109,69 +105,3 @@ class FusionReport:
         return "\n".join(lines)
 
     __repr__ = summary
-
-
-_REPORTS: Deque[FusionReport] = collections.deque(maxlen=256)
-
-
-def _publish(rep: FusionReport) -> None:
-    # Several backend calls can share a compile id (DDP's graph splitting hands each bucket's submodule over
-    # separately; after torch._dynamo.reset() ids start again at 0/0): every call keeps its own report, named
-    # apart.
-    same = sum(1 for r in _REPORTS if r.graph_name.split(" #")[0] == rep.graph_name)
-    if same:
-        rep.graph_name = f"{rep.graph_name} #{same + 1}"
-    _REPORTS.append(rep)
-    log.info("%s", rep.summary())
-    for r in rep.rolled_back:
-        log.warning("fxfuse rolled back %s: %s (%s)", r.pass_name, r.reason, r.location)
-    log.debug("%s", rep)
-
-
-_CACHE_HITS_SEEN = 0
-
-
-def _warn_about_cached_graphs() -> None:
-    """Under :func:`fxfuse.install`, torch (2.13) looks a graph up in AOTAutograd's cache *before* Inductor's pre-grad
-    passes: on a hit the cached code (fused, as compiled when the cache was filled, and keyed on fxfuse's pass uuid)
-    runs, but fxfuse's pass did not run in this process and left no report. Say so instead of showing an empty or
-    partial list as if nothing had been fused."""
-    global _CACHE_HITS_SEEN
-    try:
-        from .inductor_hook import installed
-
-        if not installed():
-            return
-        from torch._dynamo.utils import counters
-
-        hits = int(counters["aot_autograd"].get("autograd_cache_hit", 0))
-    except Exception:  # a diagnostic must never break the caller
-        return
-    if hits > _CACHE_HITS_SEEN:
-        import warnings
-
-        warnings.warn(f"fxfuse: {hits - _CACHE_HITS_SEEN} graph(s) compiled since the last call came from AOTAutograd's "
-                      "on-disk cache, which torch looks up before Inductor's pre-grad passes: the cached code (fused as "
-                      "when it was cached) runs, but fxfuse's passes did not run in this process, so their reports "
-                      "are missing here. TORCHINDUCTOR_AUTOGRAD_CACHE=0 recompiles them and brings the reports back.",
-                      stacklevel=3)
-        _CACHE_HITS_SEEN = hits
-
-
-def report() -> FusionReport:
-    """The report of the most recent graph fxfuse compiled (an empty report if none yet)."""
-    _warn_about_cached_graphs()
-    if not _REPORTS:
-        return FusionReport(graph_name="<nothing compiled with fxfuse yet>")
-    return _REPORTS[-1]
-
-
-def reports() -> List[FusionReport]:
-    """Every report since start-up or the last :func:`clear_reports`, oldest first. Under :func:`fxfuse.install`,
-    graphs served from AOTAutograd's cache have none (a warning says how many)."""
-    _warn_about_cached_graphs()
-    return list(_REPORTS)
-
-
-def clear_reports() -> None:
-    _REPORTS.clear()

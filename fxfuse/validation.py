@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .graph_utils import graph_modules, known_true, node_val
 
-__all__ = ["GraphSnapshot", "OutputSig", "NodeState", "PropagationError", "propagate", "fake_propagate",
+__all__ = ["GraphSnapshot", "OutputSig", "NodeState", "PropagationError", "propagate",
            "output_signature", "compare_signatures", "GuardWatch"]
 
 
@@ -300,11 +300,6 @@ def values_fake_mode(gm: fx.GraphModule):
         if isinstance(v, FakeTensor):
             return v.fake_mode
     return None
-
-
-def fake_propagate(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) -> None:
-    """Fill ``meta['val']`` on every node of ``gm`` and of its subgraphs (see :func:`propagate`)."""
-    propagate(gm, fake_mode, example_inputs)
 
 
 @contextlib.contextmanager

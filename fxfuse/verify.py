@@ -23,6 +23,7 @@ import torch.fx as fx
 from .graph_utils import arg, graph_modules, op_kind
 
 __all__ = ["TOLERANCE", "Reference", "why_not_verifiable", "run_graph", "compare"]
+# (substitution_fixer, the outputs callers see of a graph with output substitutions, is in fxfuse.substitution)
 
 #: Norm-relative tolerance of outputs and gradients, by the output's dtype.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
@@ -153,17 +154,3 @@ def compare(reference, got, ref: Optional[Reference] = None) -> Tuple[Optional[s
             if err > tol:
                 problem = f"{what} differs from the unfused graph's by {err:.3g} (norm-relative; tolerance {tol:g})"
     return problem, worst
-
-
-def substitution_fixer(subs) -> Callable:
-    """``fix_outputs`` for a graph whose outputs ``subs`` (backend.OutputSubstitution) rebuild."""
-    from .backend import _wrap_substitutions
-
-    if not subs:
-        return lambda args, outs: outs
-
-    def fix(args, outs):
-        return list(_wrap_substitutions(lambda *a: outs, subs)(*args))
-
-    return fix
-

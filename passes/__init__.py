@@ -2,8 +2,26 @@
 
 Each module registers its pass with :func:`fxfuse.register_pass`. Importing this package imports every module
 and checks the registry (see :func:`fxfuse.registry.load_pass_package`): a module that fails to import or
-registers nothing is a :class:`~fxfuse.errors.PassRegistrationError` here, at import.
+registers nothing is a :class:`~fxfuse.errors.PassRegistrationError` here, at import. Modules whose name starts
+with ``_`` are helpers shared by passes, not passes.
+
+The order the passes run in is this list, and only this list:
 """
 from fxfuse.registry import load_pass_package
 
-PASSES = load_pass_package(__name__)
+PASS_ORDER = (
+    # LoRA first: it matches the base linear + adapter chain before anything else rewrites those linears.
+    "lora_linear",
+    "lora_horizontal",      # groups the fused LoRA ops of one input (q/k/v), so after lora_linear
+    # Attention: sdpa_causal_mask proves static-length masks causal by evaluating them and turns them into
+    # is_causal before sdpa_attention reads the remaining masks by their recipe; softcap_attention matches the
+    # eager (matmul / softmax / matmul) spelling.
+    "sdpa_causal_mask",
+    "sdpa_attention",
+    "softcap_attention",
+    # The lm head last: its patterns start at the final hidden state, after every decoder layer.
+    "linear_cross_entropy",
+    "linear_log_probs",     # log-prob / entropy chains; a cross-entropy loss is linear_cross_entropy's
+)
+
+PASSES = load_pass_package(__name__, order=PASS_ORDER)

@@ -227,7 +227,7 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
     return True
 
 
-@register_pass(name=NAME, order=100, description="lm-head projection + cross-entropy -> fxfuse::linear_cross_entropy",
+@register_pass(name=NAME, description="lm-head projection + cross-entropy -> fxfuse::linear_cross_entropy",
                options={"logits": {"choices": ("lazy", "materialize"), "default": "lazy",
                                    "doc": "logits the graph returns: 'lazy' (computed only if read) or "
                                           "'materialize' (real tensors)"},

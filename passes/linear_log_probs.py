@@ -257,7 +257,7 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
     return True
 
 
-@register_pass(name=NAME, order=110,
+@register_pass(name=NAME,
                description="lm-head projection -> log_softmax -> gather (+ entropy) -> fxfuse::linear_log_probs",
                options={"chunk_bytes": {"type": int, "minimum": 0, "default": 0,
                                         "doc": "logits-chunk budget in bytes, 0 = the op's default of 256 MiB"}})

@@ -118,7 +118,7 @@ def _rewrite(g: fx.Graph, group: List[fx.Node]) -> fx.Node:
     return node
 
 
-@register_pass(name=NAME, order=35,
+@register_pass(name=NAME,
                description="sibling fxfuse::lora_linear nodes reading the same x (q/k/v, gate/up) -> "
                            "fxfuse::lora_linear_group (one read of x for their dropout kernels, one grad-x buffer)",
                options={"max_group": {"type": int, "minimum": 2, "default": 8,

@@ -192,7 +192,7 @@ def _rewrite(g: fx.Graph, site: _Site) -> fx.Node:
     return node
 
 
-@register_pass(name=NAME, order=30,
+@register_pass(name=NAME,
                description="PEFT LoRA: linear(x, W) + linear(linear(dropout(x), A), B) * s (per adapter) -> "
                            "fxfuse::lora_linear (no stored dropout(x))",
                options={"mixed_dtype": {"choices": ("base", "skip"), "default": "base",

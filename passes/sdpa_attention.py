@@ -5,7 +5,7 @@ Under torch.compile, Hugging Face models hand SDPA a materialised ``[B, 1, S, Sk
 position ids, a packed-sequence term (documents of a ``DataCollatorWithFlattening`` / TRL ``padding_free`` row
 attend only within themselves), a sliding window and the padding mask. At 64k tokens that mask is 4 GiB and SDPA's
 kernels take their arbitrary-mask path over every tile. This pass first reads how the mask was built
-(:mod:`._mask_recipe`, proven for every length, static or symbolic):
+(:mod:`fxfuse.attention.mask_recipe`, proven for every length, static or symbolic):
 
 * a plain causal recipe -> the same SDPA call with ``is_causal=True`` and no mask (cuDNN's causal kernel);
 * causal + window / documents / key padding -> ``fxfuse::softcap_attention(q, k, v, None, c, 0.0, True, window,
@@ -45,16 +45,15 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.fx as fx
 
-import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
+import fxfuse.attention.op  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
+from fxfuse.attention.conventions import DTYPES
+from fxfuse.attention.mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
+from fxfuse.attention.matching import head_dim_pads, known_number, pad_head_dims, slice_head_dim, unrepeat_kv
+from fxfuse.attention.sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
 from fxfuse.graph_utils import copy_node_meta, erase_unused, known_true, node_val
 from fxfuse.registry import register_pass
 
-from ._attention_match import _unrepeat, head_dim_pads, known_number, pad_head_dims, slice_head_dim
-from ._sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
-from ._mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
-
 NAME = "sdpa_attention"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _tensor(n: Any) -> Optional[torch.Tensor]:
@@ -92,8 +91,8 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
     gqa = sdpa_arg(n, "enable_gqa", False)
     if gqa not in (True, False):
         return None, "enable_gqa is a graph value"
-    k, nk, krep = _unrepeat(k_rep)
-    v, nv, vrep = _unrepeat(v_rep)
+    k, nk, krep = unrepeat_kv(k_rep)
+    v, nv, vrep = unrepeat_kv(v_rep)
     if nk != nv or not known_true(_tensor(k).shape[1] == _tensor(v).shape[1]):
         k, v, krep, vrep = k_rep, v_rep, [], []
     kv, vv = _tensor(k), _tensor(v)
@@ -120,7 +119,7 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
         # Autocast (AMP): SDPA ran on q / k / v cast to its output dtype (RoPE's fp32 cos / sin leave q and k in
         # fp32 under a bf16 autocast). The op gets the same casts, explicitly.
         cast_to = out.dtype
-    elif len(dts) != 1 or qv.dtype not in _DTYPES:
+    elif len(dts) != 1 or qv.dtype not in DTYPES:
         return None, f"q / k / v dtypes {sorted(map(str, dts))}"
     if len({qv.device, kv.device, vv.device, mv.device}) != 1:
         return None, "q / k / v / mask on different devices"
@@ -140,7 +139,7 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
                 cast_to=cast_to, pads=pads, v_head_dim=vv.shape[3], shape=(B, S, kv.shape[2])), ""
 
 
-@register_pass(name=NAME, order=46,
+@register_pass(name=NAME,
                description="scaled_dot_product_attention with a bool mask tensor (packed / padded / dynamic-length "
                            "batches): the mask read from its recipe -> is_causal=True or fxfuse::softcap_attention "
                            "with no S x S tensor; other masks -> the op with the mask tensor, empty tiles skipped")

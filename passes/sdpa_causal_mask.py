@@ -12,10 +12,12 @@ spelling of the mask: the mask's producer subgraph must read **no graph input** 
 user-supplied position ids, no symbolic size) and consist only of deterministic index arithmetic (arange,
 comparisons, cumsum, diff, indexing, broadcasting; the list is ``_PURE_FUNCTIONS`` / ``_PURE_METHODS``); then it is
 a constant of this compiled graph, is computed once here (on the CPU), and must equal
-``ones(Sq, Skv).tril()`` broadcast over batch and heads (bool True = attend, or additive 0 / <= -1e30). Any
-other mask, a dynamic sequence length, or a mask that is larger than ``max_mask_elements`` (pass option, default
-2**28) stays as it is, with the reason in the fusion report. When Sq != Skv (a KV cache) SDPA's
-``is_causal`` aligns top-left while HF aligns bottom-right: only Sq == Skv is rewritten.
+``ones(Sq, Skv).tril()`` broadcast over batch and heads (bool True = attend, or additive 0 / <= -65504: the
+attention family's masked-value threshold ``fxfuse.attention.conventions.MASKED_BELOW``, which HF's finfo.min fill
+meets in every float dtype). Any other mask, a dynamic sequence length, or a mask that is larger than
+``max_mask_elements`` (pass option, default 2**28) stays as it is, with the reason in the fusion report. When
+Sq != Skv (a KV cache) SDPA's ``is_causal`` aligns top-left while HF aligns bottom-right: only Sq == Skv is
+rewritten.
 """
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
+from fxfuse.attention.conventions import MASKED_BELOW
+from fxfuse.attention.sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
 from fxfuse.graph_utils import erase_unused, node_val
 from fxfuse.registry import register_pass
-
-from ._sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
 
 NAME = "sdpa_causal_mask"
 
@@ -117,8 +119,8 @@ def _is_causal(m: torch.Tensor, sq: int, skv: int) -> Tuple[bool, str]:
     if m.dtype == torch.bool:
         keep = m
     elif m.is_floating_point():
-        if not bool(((m == 0) | (m <= -1e30)).all()):
-            return False, "the additive mask has values other than 0 and a hard -inf / finfo.min"
+        if not bool(((m == 0) | (m <= MASKED_BELOW)).all()):
+            return False, f"the additive mask has values other than 0 and a hard mask (-inf or <= {MASKED_BELOW:g})"
         keep = m == 0
     else:
         return False, f"mask dtype {m.dtype} is neither bool nor floating"
@@ -127,7 +129,7 @@ def _is_causal(m: torch.Tensor, sq: int, skv: int) -> Tuple[bool, str]:
     return True, ""
 
 
-@register_pass(name=NAME, order=45,
+@register_pass(name=NAME,
                description="scaled_dot_product_attention with a constant causal mask tensor -> is_causal=True",
                options={"max_mask_elements": {"type": int, "minimum": 1, "default": 2 ** 28,
                                               "doc": "largest mask (elements) the pass evaluates to prove it "

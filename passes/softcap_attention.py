@@ -1,6 +1,7 @@
 """Fuse eager attention (with or without a tanh logit softcap) into ``fxfuse::softcap_attention``.
 
-Pattern (Gemma-2 / Gemma-3 eager attention, and any model written the same way; see ``_attention_match``)::
+Pattern (Gemma-2 / Gemma-3 eager attention, and any model written the same way; matched by
+:mod:`fxfuse.attention.matching`)::
 
     k_rep, v_rep = repeat_kv(k), repeat_kv(v)     # x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv*n, S, D),
                                                   # repeat_interleave(x, n, dim=1), or no repeat / plain broadcast
@@ -17,13 +18,14 @@ becomes ``out = fxfuse::softcap_attention(q, k, v, mask, scaling, softcap, False
 before the repeat. The [B, Hq, S, Skv] scores, their softcapped / masked / fp32 / cast copies and the probabilities
 are never materialised (nor saved for the backward), nor are the repeated k / v.
 
-The mask is read from its recipe when it can be (:mod:`._mask_recipe`: HF's additive ``where(keep, 0, finfo.min)``
-masks and bool masks built from causal / sliding-window / packed-document / padding terms, at any length): the op
-then gets ``causal=True``, the window, ``doc_ranges`` and ``key_valid`` and no mask tensor, and the mask builders are
-erased (nothing of size S x Skv anywhere; Gemma-2 / Gemma-3's alternating window layers each read their own
-recipe). Any other mask is passed as is (causal=False, window=0): it already encodes whatever ``masking_utils``
-built, so the result is right whatever the mask is; the op's launchers then classify its tiles empty / full /
-partial so empty blocks are skipped. The report names the recipe, or why the mask tensor was kept.
+The mask is read from its recipe when it can be (:mod:`fxfuse.attention.mask_recipe`: HF's additive
+``where(keep, 0, finfo.min)`` masks and bool masks built from causal / sliding-window / packed-document / padding
+terms, at any length): the op then gets ``causal=True``, the window, ``doc_ranges`` and ``key_valid`` and no mask
+tensor, and the mask builders are erased (nothing of size S x Skv anywhere; Gemma-2 / Gemma-3's alternating
+window layers each read their own recipe). Any other mask is passed as is (causal=False, window=0): it already
+encodes whatever ``masking_utils`` built, so the result is right whatever the mask is; the op's launchers then
+classify its tiles empty / full / partial so empty blocks are skipped. The report names the recipe, or why the
+mask tensor was kept.
 
 A query row whose every key is masked (left padding: a pad query sees only pad keys) gets what eager gives it,
 forward and backward: with HF's finfo.min masks (additive, or masked_fill / where with a finite fill) every score
@@ -52,12 +54,11 @@ import operator
 import torch
 import torch.fx as fx
 
-import fxfuse.ops.softcap_attention  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
+import fxfuse.attention.op  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
+from fxfuse.attention.mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
+from fxfuse.attention.matching import AttentionSite, append_sink_key, match_attention, pad_head_dims, slice_head_dim
 from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
-
-from ._attention_match import AttentionSite, append_sink_key, match_attention, pad_head_dims, slice_head_dim
-from ._mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
 
 NAME = "softcap_attention"
 _VIEWS = ("view", "reshape", "flatten", "getitem", "squeeze", "unsqueeze", "transpose", "expand", "t", "permute")
@@ -119,7 +120,7 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=N
     return node
 
 
-@register_pass(name=NAME, order=50,
+@register_pass(name=NAME,
                description="eager attention (q @ k^T, scale, tanh softcap, mask, softmax, dropout 0, @ v; GQA by "
                            "repeat_kv) -> fxfuse::softcap_attention")
 def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:

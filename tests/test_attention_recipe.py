@@ -17,7 +17,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import fxfuse
-from fxfuse.kernels import softcap_attention as K
+from fxfuse.attention import launching
+from fxfuse.attention.reference import attention_reference
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting
 from fxfuse.ops import document_ranges, softcap_attention
 
 from conftest import fused_sites, grads_of, tiny_causal_lm
@@ -78,7 +80,7 @@ def _padding(kind, B, S):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_recipe_op_matches_float64_within_eager(case, impl, monkeypatch):
-    if impl == "triton" and (not K.HAVE_TRITON or not K.interpreting()):
+    if impl == "triton" and (not HAVE_TRITON or not interpreting()):
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
     if impl == "triton" and case not in (0, 4):
         pytest.skip("two cases under the interpreter are enough (slow)")
@@ -89,10 +91,10 @@ def test_recipe_op_matches_float64_within_eager(case, impl, monkeypatch):
     got = _grads(softcap_attention(q, k, v, scaling=0.3, softcap=softcap, causal=True, window=window,
                                    doc_ranges=document_ranges(ids), key_valid=valid, masked_rows=mr), q, k, v, do)
     mr_i = {"zero": 0, "uniform": 1}[mr]
-    ref = _grads(K.attention_reference(q, k, v, keep, 0.3, softcap, True, window, masked_rows=mr_i), q, k, v,
+    ref = _grads(attention_reference(q, k, v, keep, 0.3, softcap, True, window, masked_rows=mr_i), q, k, v,
                  do.double())
-    eager = _grads(K.attention_reference(q, k, v, keep, 0.3, softcap, True, window, dtype=torch.bfloat16,
-                                         masked_rows=mr_i), q, k, v, do)
+    eager = _grads(attention_reference(q, k, v, keep, 0.3, softcap, True, window, dtype=torch.bfloat16,
+                                       masked_rows=mr_i), q, k, v, do)
     for name, a, b, e in zip(("out", "dq", "dk", "dv"), got, ref, eager):
         err, eager_err = (a.double() - b).abs().max().item(), (e.double() - b).abs().max().item()
         assert err <= 2 * eager_err + 1e-6, f"{name}: fxfuse {err:.3g} vs eager bf16 {eager_err:.3g} from float64"
@@ -100,13 +102,14 @@ def test_recipe_op_matches_float64_within_eager(case, impl, monkeypatch):
 
 @pytest.mark.parametrize("int64", [False, True])
 def test_triton_recipe_path_with_64_bit_addresses(int64, monkeypatch):
-    if not K.HAVE_TRITON or not K.interpreting():
+    if not HAVE_TRITON or not interpreting():
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
     monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", "triton")
-    monkeypatch.setattr(K, "FORCE_INT64", int64)
+    monkeypatch.setattr(launching, "FORCE_INT64", int64)
+    assert launching.needs_int64() is int64  # the switch the launchers' 64-bit rule reads
     q, k, v, do, ids, keep = _case(1, 2, 1, 40, 16, [[9, 25]], seed=3)
     got = _grads(softcap_attention(q, k, v, causal=True, window=13, doc_ranges=document_ranges(ids)), q, k, v, do)
-    ref = _grads(K.attention_reference(q, k, v, keep, None, 0.0, True, 13), q, k, v, do.double())
+    ref = _grads(attention_reference(q, k, v, keep, None, 0.0, True, 13), q, k, v, do.double())
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
 

@@ -138,7 +138,7 @@ def test_oversized_adapter_is_refused_not_wrapped(monkeypatch):
 
 # ================================================================================================ the kernels
 if K.HAVE_TRITON:
-    from fxfuse.kernels._triton import tl, triton
+    from fxfuse.kernels.triton_support import tl, triton
 
     @triton.jit
     def _row_offsets_probe(out_ptr, row0, stride, BM: tl.constexpr, INT64_IDX: tl.constexpr):

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import fxfuse
 from fxfuse import registry
-from fxfuse.backend import PassContext
+from fxfuse.pass_context import PassContext
 from fxfuse.errors import FxFuseOptionsError, PassRegistrationError
 from fxfuse.options import FxFuseOptions
 from fxfuse.report import FusionReport
@@ -225,8 +225,13 @@ def test_install_composes_with_a_users_pre_grad_pass(clean_hook):
     with fxfuse.install(passes=[]) as inst:
         assert clean_hook.pre_grad_custom_pass == [mine, inst.hook]
         assert fxfuse.inductor_hook.installed()
-        assert inst.hook.uuid()[:2] == ("fxfuse-pre-grad", fxfuse.backend.source_hash())
-        fxfuse.install(strict=True)  # again: new options, same place
+        from fxfuse.pass_manager import source_hash
+
+        key = inst.hook.uuid()
+        assert key[:3] == ("fxfuse-pre-grad", "fxfuse", source_hash())
+        fxfuse.install(passes=["lora_linear"])  # other options: another key, so no cache hit across them
+        assert inst.hook.uuid() != key
+        fxfuse.install(passes=[], strict=True)  # again: new options, same place
         assert clean_hook.pre_grad_custom_pass == [mine, inst.hook] and inst.hook.opts.strict
         torch.compile(lambda x: torch.sin(x) * 2)(torch.randn(8))
     assert seen, "the user's pass did not run"

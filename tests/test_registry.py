@@ -66,3 +66,36 @@ def test_two_passes_with_one_name(tmp_path):
 def test_unknown_pass_lookup_lists_known_names():
     with pytest.raises(PassRegistrationError, match="known passes"):
         registry.get_pass("definitely_not_a_pass")
+
+
+UNORDERED = """
+from fxfuse.registry import register_pass
+@register_pass(name="{name}", description="test")
+def run(gm, ctx):
+    return 0
+"""
+
+
+def test_builtin_passes_run_in_the_packages_explicit_order():
+    import fxfuse.passes as p
+
+    assert [s.name for s in p.PASSES] == list(p.PASS_ORDER)
+    assert [s.name for s in registry.registered_passes() if s.builtin and s.module.startswith("fxfuse.passes")] \
+        == list(p.PASS_ORDER)
+
+
+def test_order_list_must_name_every_pass_once(tmp_path):
+    pkg = _make_pkg(tmp_path, "pkg_order", {"a": UNORDERED.format(name="ord_a"), "b": UNORDERED.format(name="ord_b")})
+    with pytest.raises(PassRegistrationError, match=r"not in the order: \['ord_b'\].*not registered: \['ord_c'\]"):
+        registry.load_pass_package(pkg, order=["ord_a", "ord_c"])
+
+
+def test_order_list_sets_the_order(tmp_path):
+    pkg = _make_pkg(tmp_path, "pkg_order_ok", {"a": UNORDERED.format(name="ok_1"), "b": UNORDERED.format(name="ok_2")})
+    assert [s.name for s in registry.load_pass_package(pkg, order=["ok_2", "ok_1"])] == ["ok_2", "ok_1"]
+
+
+def test_pass_without_any_order(tmp_path):
+    pkg = _make_pkg(tmp_path, "pkg_no_order", {"a": UNORDERED.format(name="lost")})
+    with pytest.raises(PassRegistrationError, match=r"\['lost'\].*have no order"):
+        registry.load_pass_package(pkg)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fxfuse
+from fxfuse.attention.conventions import MASKED_BELOW
 
 from conftest import fused_sites, grads_of, skipped_sites, tiny_causal_lm
 
@@ -76,6 +78,30 @@ def test_symbolic_sequence_length_is_left_alone():
                                    m(input_ids=ids, labels=ids, use_cache=False).loss)
     assert not fused_sites("sdpa_causal_mask")
     assert any("symbolic" in r or "graph input" in r for r in _reasons()), _reasons()
+
+
+@pytest.mark.parametrize("fill, causal", [(torch.finfo(torch.float16).min, True), (float("-inf"), True),
+                                          (-1e4, False)], ids=["fp16-min", "-inf", "soft"])
+def test_additive_mask_is_causal_only_with_a_hard_fill(fill, causal):
+    """An additive mask is the causal mask when its masked entries are -inf or at most the attention family's
+    masked-value threshold (MASKED_BELOW = -65504 = finfo(fp16).min: HF's finfo.min fill in every dtype); a softer
+    fill is a bias, and stays."""
+    assert torch.finfo(torch.float16).min == MASKED_BELOW
+
+    def attn(q, k, v):
+        i = torch.arange(q.shape[-2])
+        mask = torch.zeros(q.shape[-2], q.shape[-2]).masked_fill(i[None, :] > i[:, None], fill)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    out = torch.compile(attn, backend="fxfuse", options=AOT)(q, k, v)
+    torch.testing.assert_close(out, attn(q, k, v))
+    if causal:
+        assert len(fused_sites("sdpa_causal_mask")) == 1 and not _reasons(), _reasons()
+    else:
+        assert not fused_sites("sdpa_causal_mask")
+        assert any("hard mask (-inf or <= -65504)" in r for r in _reasons()), _reasons()
 
 
 def test_bad_option_is_refused_before_any_pass_runs():

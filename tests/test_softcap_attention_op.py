@@ -15,9 +15,10 @@ import textwrap
 import pytest
 import torch
 
+from fxfuse.attention import reference
+from fxfuse.attention.conventions import MASKED_ROWS
+from fxfuse.attention.op import softcap_attention
 from fxfuse.errors import FxFuseContractError
-from fxfuse.kernels import softcap_attention as K
-from fxfuse.ops.softcap_attention import softcap_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -66,7 +67,7 @@ def structured_mask(B, S, kind, *, window=0, pad_left=0, pad_right=0, dtype=torc
     return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
 
 
-MODES = {"zero": K.MASKED_ROWS_ZERO, "uniform": K.MASKED_ROWS_UNIFORM, "nan": K.MASKED_ROWS_NAN}
+MODES = MASKED_ROWS  # "zero" / "uniform" / "nan" -> the op's masked_rows codes
 
 
 def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, tol=None, masked_rows="zero"):
@@ -76,7 +77,7 @@ def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, 
     out.backward(do)
     grads = [t.grad for t in (q, k, v)]
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = K.attention_reference(qd, kd, vd, mask, scaling, softcap or 0.0, causal, window or 0,
+    ref = reference.attention_reference(qd, kd, vd, mask, scaling, softcap or 0.0, causal, window or 0,
                                 masked_rows=MODES[masked_rows])
     ref.backward(do.double())
     tol = tol or TOL[q.dtype]
@@ -91,7 +92,7 @@ def check(q, k, v, do, mask, *, softcap, causal, window, scaling=None, fn=None, 
 @pytest.fixture(autouse=True)
 def small_cpu_chunks(monkeypatch):
     # force several query chunks in the blockwise CPU path even at tiny S
-    monkeypatch.setattr(K, "_CPU_SCORE_BUDGET", 1)
+    monkeypatch.setattr(reference, "CPU_SCORE_BUDGET", 1)
     monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", "auto")
 
 
@@ -176,8 +177,9 @@ def test_scaling_and_mask_broadcast_forms():
 _INTERP_SCRIPT = textwrap.dedent(r"""
     import json, torch
     import tests.test_softcap_attention_op as T
-    from fxfuse.kernels import softcap_attention as K
-    assert K.interpreting()
+    from fxfuse.attention import block_map, launching
+    from fxfuse.kernels.triton_support import interpreting
+    assert interpreting()
     res = []
     cases = [  # B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mask, dtype
         (2, 4, 2, 37, 37, 64, 50.0, True, 0, None, torch.float32),
@@ -197,7 +199,7 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
         except AssertionError as e:
             res.append([str(dt), S, Dh, "FAIL " + str(e)[:300]])
     # dK and dV in two launches (the head_dim-256 GPU config) instead of one
-    K.INTERPRET_CONFIG["dkdv"] = (16, 16, 4, 1, 1)
+    launching.INTERPRET_CONFIG["dkdv"] = (16, 16, 4, 1, 1)
     for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases[1:3]:
         q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
         try:
@@ -232,8 +234,8 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
     # block r, [0, r) FULL (but never a tile past the last key); key padding on the right empties tiles
     S = 70
     m = T.structured_mask(2, S, "additive", pad_right=40)
-    mt, ms, kind = K._mask_args(m, 2, 2, S, S, m)
-    rng, rs = K._mask_block_ranges_of(mt, ms, kind, 2, 2, S, S, 16, 16)
+    mt, ms, kind = launching.mask_args(m, 2, 2, S, S, m)
+    rng, rs = block_map.mask_block_ranges_of(mt, ms, kind, 2, 2, S, S, 16, 16)
     got = rng.view(2, -1, 4).tolist()
     # (no FULL tile: b = c = hi, so the whole [lo, hi) is read with the mask)
     want0 = [[0, 1, 1, 1]] + [[0, 0, min(r, S // 16), r + 1] for r in range(1, 5)]
@@ -260,7 +262,7 @@ def test_triton_kernels_interpreter():
 # ------------------------------------------------------------------------------------------ torch.compile
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_dynamic_no_recompile(backend, monkeypatch):
-    monkeypatch.setattr(K, "_CPU_SCORE_BUDGET", 32 * 2**20)
+    monkeypatch.setattr(reference, "CPU_SCORE_BUDGET", 32 * 2**20)
     torch._dynamo.reset()
 
     def f(q, k, v, mask):

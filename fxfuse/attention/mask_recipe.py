@@ -24,8 +24,8 @@ conjunction of atoms), and only a conjunction of atoms the kernel implements bec
 * ``key_valid`` a bool per-key vector (``attention_mask[b, kv]``)
 
 Anything else (an OR, a negation, a mask that arrives as a graph input, a per-query padding term, index arithmetic
-it cannot place) is refused with the reason, and the attention passes keep the mask tensor. Nothing is evaluated:
-the proof holds for every length, static or symbolic.
+it cannot place, an additive fill above :data:`.conventions.MASKED_BELOW`) is refused with the reason, and the
+attention passes keep the mask tensor. Nothing is evaluated: the proof holds for every length, static or symbolic.
 
 A mask that reaches attention through an activation-checkpoint body (HF gradient checkpointing) is read in the
 graph that built it; :class:`RecipeInputs` then threads the O(B x S) vectors into the body as new operands.
@@ -40,6 +40,9 @@ import torch
 import torch.fx as fx
 
 from fxfuse.graph_utils import arg, const_number, graph_modules, known_true, node_val, op_kind
+
+from .conventions import MASKED_BELOW
+from .op import document_ranges
 
 __all__ = ["MaskRecipe", "read_mask_recipe", "RecipeInputs", "mark_mask", "erase_dead_masks", "HOPS_WITH_BODY"]
 
@@ -535,8 +538,8 @@ def read_mask_recipe(mask: fx.Node, root: fx.GraphModule, B: Any, S: Any, Skv: A
             if not isinstance(val, _Additive):
                 raise _Refuse("an additive mask not built as where(keep, 0, fill)")
             fill = val.fill
-            if not (fill == -math.inf or fill <= -65504.0):
-                raise _Refuse(f"an additive mask whose fill {fill} is not a hard mask (-inf or <= -65504)")
+            if not (fill == -math.inf or fill <= MASKED_BELOW):
+                raise _Refuse(f"an additive mask whose fill {fill} is not a hard mask (-inf or <= {MASKED_BELOW:g})")
             val = val.pred
         if not isinstance(val, _Pred):
             raise _Refuse("the mask is not a condition")
@@ -605,8 +608,6 @@ class RecipeInputs:
         self.fed_masks: List[Tuple[fx.GraphModule, fx.Node, fx.Node]] = []  # (body, mask placeholder, HOP call)
 
     def vectors(self, r: MaskRecipe) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
-        from fxfuse.ops.softcap_attention import document_ranges
-
         docs = kv = None
         if r.docs is not None:
             key = (id(r.docs), "docs")

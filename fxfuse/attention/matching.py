@@ -1,4 +1,6 @@
-"""Matcher for eager attention (``softmax(f(q @ k^T)) @ v``) used by the ``softcap_attention`` pass.
+"""Matcher for eager attention (``softmax(f(q @ k^T)) @ v``) used by the ``softcap_attention`` pass, and the graph
+pieces the ``sdpa_attention`` pass shares with it (seeing through ``repeat_kv``, compile-time numbers, head-dim
+pads): reading an attention site out of an FX graph, before any mask recipe or op is involved.
 
 Starting at a ``softmax`` over the last dim, it walks
 
@@ -11,7 +13,9 @@ Starting at a ``softmax`` over the last dim, it walks
   ``repeat_interleave(x, n, dim=1)`` to the un-repeated k / v.
 
 It returns an :class:`AttentionSite` or a reason. A softmax whose input does not come from a 4-D matmul is not
-attention: :func:`match_attention` returns ``(None, None)`` for it and the pass says nothing.
+attention: :func:`match_attention` returns ``(None, None)`` for it and the pass says nothing. A ``masked_fill`` /
+``where`` fill is a hard mask when it is -inf or at most :data:`.conventions.MASKED_BELOW` (what the op counts as
+masked).
 """
 from __future__ import annotations
 
@@ -26,11 +30,11 @@ import torch.nn.functional as F
 
 from fxfuse.graph_utils import arg, const_number, copy_node_meta, known_true, node_val, op_kind
 
-__all__ = ["AttentionSite", "match_attention", "known_number", "HARD_MASK_VALUE", "head_dim_pads", "pad_head_dims",
-           "slice_head_dim", "append_sink_key", "MAX_HEAD_DIM"]
+from .conventions import MASKED_BELOW, MAX_HEAD_DIM
 
-HARD_MASK_VALUE = -65504.0  # the op counts additive mask values <= this as masked
-MAX_HEAD_DIM = 256  # the op's largest head_dim
+__all__ = ["AttentionSite", "match_attention", "known_number", "unrepeat_kv", "head_dim_pads", "pad_head_dims",
+           "slice_head_dim", "append_sink_key"]
+
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _SCORE_KINDS = ("mul", "div", "tanh", "cast", "add", "masked_fill", "where")
 
@@ -164,7 +168,7 @@ def _near_qk(n: Any, depth: int = 8) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ repeat_kv
-def _unrepeat(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
+def unrepeat_kv(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
     """See through ``repeat_kv`` / ``repeat_interleave(n, dim=1)``: (un-repeated x, n_rep, nodes of the repeat)."""
     xv = _tensor(x)
     if xv is None or xv.dim() != 4:
@@ -294,7 +298,7 @@ def _check_mask_slice(mask: fx.Node, skv) -> str:
 
 def _hard_fill(value: Any) -> bool:
     c = known_number(value)
-    return c is not None and (c == -math.inf or c <= HARD_MASK_VALUE)
+    return c is not None and (c == -math.inf or c <= MASKED_BELOW)
 
 
 # ------------------------------------------------------------------------------------------ attention sinks
@@ -442,7 +446,7 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
                     return None, f"{k} with a {mv.dtype} condition"
                 fill = arg(n, "value") if k == "masked_fill" else fill
                 if not _hard_fill(fill):
-                    return None, f"{k} value {known_number(fill)!r} is not a hard mask (-inf or <= -65504)"
+                    return None, f"{k} value {known_number(fill)!r} is not a hard mask (-inf or <= {MASKED_BELOW:g})"
                 # masked_fill(m, -inf): m = True means masked; the op wants True = keep
                 negate = True if k == "masked_fill" else negate
                 if negate and op_kind(m) in ("logical_not", "invert") and \
@@ -575,8 +579,8 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
     if qv is None or vv is None or qv.dim() != 4 or vv.dim() != 4:
         return None, "q or v is not 4-D [B, H, S, D]"
     if k_rep is not None:
-        k0, nk, krep_nodes = _unrepeat(k_rep)
-        v0, nv, vrep_nodes = _unrepeat(v_rep)
+        k0, nk, krep_nodes = unrepeat_kv(k_rep)
+        v0, nv, vrep_nodes = unrepeat_kv(v_rep)
         if nk != nv or not known_true(_tensor(k0).shape[1] == _tensor(v0).shape[1]):
             k0, nk, krep_nodes, v0, nv, vrep_nodes = k_rep, 1, [], v_rep, 1, []
     else:

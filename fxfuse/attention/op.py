@@ -20,7 +20,7 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
     window  int                        0 = none; else also keep only qi + (Skv - S) - ki < window (needs causal)
     masked_rows int                    what a fully masked query row gives: 0 zeros (SDPA with a bool mask),
                                        1 eager's uniform average over all keys (a finite fill such as HF's
-                                       finfo.min), 2 NaN (a -inf fill); see fxfuse.kernels.softcap_attention
+                                       finfo.min), 2 NaN (a -inf fill); see fxfuse.attention.reference
     doc_ranges Tensor or None          int32/int64 [2, B|1, S]: [start, end) of each token's document (packed
                                        rows): a key is kept only inside its query's document. Documents must be
                                        contiguous runs; needs causal=True and S == Skv. Build it from per-token
@@ -43,6 +43,11 @@ out, lse) -> (dq, dk, dv), contiguous, in the inputs' dtypes.
 Dispatch: CUDA tensors -> Triton kernels; anything else -> the blockwise PyTorch path (same semantics, memory
 O(block) of scores). ``FXFUSE_ATTENTION_IMPL=triton`` forces the Triton kernels (on CPU only together with
 ``TRITON_INTERPRET=1``, set before Triton is imported), ``=torch`` forces the PyTorch path.
+
+This module is the op's definition and nothing else: its contract (:func:`check_softcap_attention`), the
+``torch.library`` registrations (real and fake impls of the op and its backward, autograd, autocast), the dispatch
+above between the kernels' launchers (:mod:`.forward`, :mod:`.backward`) and the PyTorch path (:mod:`.reference`),
+the public function :func:`softcap_attention` and :func:`document_ranges`.
 """
 from __future__ import annotations
 
@@ -53,17 +58,18 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..contracts import OpContract
-from ._autocast import register_autocast_casts
-from ..graph_utils import known_true
-from ..kernels import softcap_attention as _k
+from fxfuse.contracts import OpContract
+from fxfuse.graph_utils import known_true
+from fxfuse.kernels.triton_support import use_triton
+from fxfuse.ops.autocast import register_autocast_casts
+
+# The kernel modules whose launchers this op calls (block_map's tile classifiers run inside both; imported here so
+# that `python -m fxfuse doctor` finds every kernel the op launches).
+from . import backward, block_map, forward, reference  # noqa: F401
+from .conventions import (BACKWARD_OP_NAME, DTYPES, MASKED_ROWS, MASKED_ROWS_NAN, MASKED_ROWS_UNIFORM,
+                          MASKED_ROWS_ZERO, MAX_HEAD_DIM, OP_NAME)
 
 __all__ = ["softcap_attention", "document_ranges", "check_softcap_attention", "OP_NAME", "BACKWARD_OP_NAME"]
-
-OP_NAME = "fxfuse::softcap_attention"
-BACKWARD_OP_NAME = "fxfuse::softcap_attention_backward"
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 256
 
 
 # ================================================================================================= contract
@@ -74,7 +80,7 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, mas
     c = OpContract(OP_NAME, q=q, k=k, v=v, mask=mask, doc_ranges=doc_ranges, key_valid=key_valid)
     for n in ("q", "k", "v"):
         c.ndim(n, 4)
-        c.dtype_in(n, _DTYPES)
+        c.dtype_in(n, DTYPES)
     c.same_dtype("q", "k", "v")
     c.same_device("q", "k", "v", "mask")
     c.dim_eq("q", 0, "k", 0)
@@ -97,7 +103,7 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, mas
         c.fail(f"window must be an int >= 0 (0 = none), got {window!r}")
     if window and not causal:
         c.fail("a sliding window is only supported together with causal=True")
-    if masked_rows not in (_k.MASKED_ROWS_ZERO, _k.MASKED_ROWS_UNIFORM, _k.MASKED_ROWS_NAN):
+    if masked_rows not in (MASKED_ROWS_ZERO, MASKED_ROWS_UNIFORM, MASKED_ROWS_NAN):
         c.fail(f"masked_rows must be 0 (zeros), 1 (uniform) or 2 (NaN), got {masked_rows!r}")
     if doc_ranges is not None:
         c.same_device("q", "doc_ranges")
@@ -108,7 +114,7 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, mas
                                                     and known_true(doc_ranges.shape[1] != B)) \
                 or known_true(doc_ranges.shape[2] != S):
             c.fail(f"doc_ranges {list(doc_ranges.shape)} is not [2, B|1, S] = [2, {B}, {S}]",
-                   "build it with fxfuse.ops.softcap_attention.document_ranges(doc_ids)")
+                   "build it with fxfuse.ops.document_ranges(doc_ids)")
         if not causal:
             c.fail("doc_ranges (packed documents) needs causal=True")
         if known_true(S != Skv):
@@ -138,12 +144,12 @@ def check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, mas
 
 # ================================================================================================ custom ops
 def _use_triton(t: Tensor) -> bool:
+    """The Triton kernels on CUDA tensors; ``FXFUSE_ATTENTION_IMPL=triton`` forces them on any device (on CPU with
+    ``TRITON_INTERPRET=1``), ``=torch`` forces the PyTorch path. Without Triton, always the PyTorch path."""
     mode = os.environ.get("FXFUSE_ATTENTION_IMPL", "auto").lower()
     if mode == "torch":
         return False
-    if mode == "triton":
-        return _k.HAVE_TRITON
-    return t.is_cuda and _k.HAVE_TRITON
+    return use_triton(t, force=mode == "triton")
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -152,7 +158,7 @@ def _softcap_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor
                           doc_ranges: Optional[Tensor] = None, key_valid: Optional[Tensor] = None
                           ) -> Tuple[Tensor, Tensor]:
     check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid)
-    impl = _k.attention_fwd_triton if _use_triton(q) else _k.attention_fwd_torch
+    impl = forward.attention_fwd_triton if _use_triton(q) else reference.attention_fwd_torch
     return impl(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows, doc_ranges=doc_ranges,
                 key_valid=key_valid)
 
@@ -171,7 +177,7 @@ def _softcap_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor
                                    out: Tensor, lse: Tensor, scaling: float, softcap: float, causal: bool,
                                    window: int, masked_rows: int = 0, doc_ranges: Optional[Tensor] = None,
                                    key_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    impl = _k.attention_bwd_triton if _use_triton(q) else _k.attention_bwd_torch
+    impl = backward.attention_bwd_triton if _use_triton(q) else reference.attention_bwd_torch
     return impl(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=masked_rows,
                 doc_ranges=doc_ranges, key_valid=key_valid)
 
@@ -226,7 +232,7 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor]
     softcap = float(softcap or 0.0)
     window = int(window or 0)
     causal = bool(causal)
-    modes = {"zero": _k.MASKED_ROWS_ZERO, "uniform": _k.MASKED_ROWS_UNIFORM, "nan": _k.MASKED_ROWS_NAN}
+    modes = MASKED_ROWS
     if masked_rows not in modes:
         OpContract(OP_NAME, q=q).fail(f"masked_rows must be one of {tuple(modes)}, got {masked_rows!r}")
     check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, modes[masked_rows], doc_ranges,

@@ -1,5 +1,6 @@
-"""What the SDPA passes share about a ``scaled_dot_product_attention`` call: its targets, reading an argument
-wherever the caller put it, and rewriting it to ``is_causal=True`` without the mask."""
+"""What the SDPA passes (``sdpa_causal_mask``, ``sdpa_attention``) share about a ``scaled_dot_product_attention``
+call: its targets, reading an argument wherever the caller put it, and rewriting it to ``is_causal=True`` without
+the mask."""
 from __future__ import annotations
 
 from typing import Any

@@ -14,11 +14,12 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 * :func:`softcap_attention` — ``softmax(softcap(q @ k.T * scaling) + mask) @ v`` flash-attention style, GQA
   without repeating K/V, causal / sliding window / packed documents / key padding (the mask by recipe, O(S)
   vectors) or a mask tensor; :func:`document_ranges` turns per-token document ids into the op's ``doc_ranges``.
+  Defined, with its passes' matching and mask reading, its kernels and references, in :mod:`fxfuse.attention`.
 """
 from .linear_cross_entropy import linear_cross_entropy
 from .linear_log_probs import linear_log_probs
 from .lora_linear import lora_linear
-from .softcap_attention import document_ranges, softcap_attention
+from fxfuse.attention.op import document_ranges, softcap_attention
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention"]  # the fused ops
 # document_ranges (also importable from here) is the helper that builds softcap_attention's doc_ranges

@@ -1,0 +1,171 @@
+"""The forward kernel ``_attn_fwd`` and its launcher :func:`attention_fwd_triton` (FA2 structure).
+
+One program per (q block, b, q head), GQA by reading the q head's kv head (``h // G``: repeat_kv is never
+materialised); online softmax over the key blocks of the q block's range (:mod:`.block_map`) in three loops,
+[masked | unmasked | masked]: the index masks (causal, window, sequence end, documents) are evaluated only on the
+boundary blocks, blocks that they remove entirely are never visited, and a mask tensor's FULL blocks are not read.
+
+Memory: the forward saves ``lse`` [B, Hq, S] fp32 (natural log; +inf marks a fully masked row so that the
+backward's exp(s - lse) is exactly 0 there); nothing of size S x Skv is ever stored. Fully masked rows get what
+``masked_rows`` says (:mod:`.reference`) in the epilogue.
+"""
+from __future__ import annotations
+
+import torch
+
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
+
+from . import launching
+from .block_map import mask_block_ranges_of, q_block_key_ranges_of, use_mask_ranges
+from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
+from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
+                        recipe_args, score_scalars, softcap_mode)
+from .reference import expand_mask, value_mean
+from .scores import dot, load_tile, masked_scores
+
+__all__ = ["attention_fwd_triton"]
+
+# The lengths and the mask / recipe strides are not specialised (see launching.MASK_LENGTHS).
+_LENGTHS_ATTN_FWD = MASK_LENGTHS + ['S', 'SKV', 'OFF']
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
+                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                   BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
+                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + offs_n0
+            if BOUNDARY:
+                kv_mask = offs_n[:, None] < SKV
+                if D_MASK:
+                    kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
+            else:
+                if D_MASK:
+                    kv_mask = offs_d[None, :] < D_MASK
+                else:
+                    kv_mask = None
+            k = load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
+            qk = dot(q, tl.trans(k), DOT_FP32)
+            s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
+                                  offs_n[None, :], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                                  HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
+            m_new = tl.maximum(m_i, tl.max(s2, 1))
+            # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s2 - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32)  # eager: p.to(q.dtype) @ v
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
+    def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, O, LSE, VMEAN,
+                  stride_qb, stride_qh, stride_qm, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
+                  stride_docb, stride_doce, stride_kvvb,
+                  stride_ob, stride_oh, stride_om, stride_od,
+                  H, G, S, SKV, OFF, window, sc_mul, out_mul,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
+                  BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr):
+        pid_m, bh = grid_ids(BLOCK_MAJOR, True)
+        b = bh // H
+        h = bh % H
+        hk = h // G  # GQA: this q head's kv head
+        start_m = pid_m * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        if INT64:  # some tensor's offsets pass 2^31 (a long mask, a long HF-strided q): 64-bit address math
+            b, h, hk, bh = b.to(tl.int64), h.to(tl.int64), hk.to(tl.int64), bh.to(tl.int64)
+            offs_m, offs_n0 = offs_m.to(tl.int64), offs_n0.to(tl.int64)
+        DST = DOCS + b * stride_docb  # this row's document starts (HAS_DOCS)
+        KVV = KVVEC + b * stride_kvvb  # this row's key-valid flags (HAS_KVV)
+        offs_d = tl.arange(0, BLOCK_D)
+        D_MASK: tl.constexpr = HEAD_DIM if BLOCK_D != HEAD_DIM else 0
+
+        q_mask = offs_m[:, None] < S
+        if D_MASK:
+            q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=q_mask, other=0.0)
+        K_blk = K + b * stride_kb + hk * stride_kh + offs_d[None, :] * stride_kd
+        V_blk = V + b * stride_vb + hk * stride_vh + offs_d[None, :] * stride_vd
+        M_blk = M + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # MASK_RANGES: the FULL middle [b_, c_) of the mask tensor's ranges needs no mask reads
+        MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
+        lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
+                                               OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES,
+                                               HAS_DOCS)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
+        dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
+        acc = acc / tl.where(dead, 1.0, l_i)[:, None]
+        if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
+            vm = tl.load(VMEAN + bh * HEAD_DIM + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+            acc = tl.where(dead[:, None], vm[None, :], acc)
+        elif MASKED_ROWS == 2:  # eager with a -inf fill: softmax of an all -inf row is NaN
+            acc = tl.where(dead[:, None], float("nan"), acc)
+        lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+        tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                 acc.to(O.dtype.element_ty), mask=q_mask)
+        tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
+
+
+def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
+                         masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
+    """Launch ``_attn_fwd``. Returns (out contiguous [B, Hq, S, Dh], lse [B, Hq, S] fp32)."""
+    B, Hq, S, Dh = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    BLOCK_D = max(16, triton.next_power_of_2(Dh))
+    cfg = config_for("fwd", BLOCK_D, q.dtype, config)
+    out = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
+    sc_mul, out_mul = score_scalars(scaling, softcap)
+
+    ranges = use_mask_ranges(kind, causal, window)
+    vmean = value_mean(v, Hq // Hkv).contiguous() if masked_rows == MASKED_ROWS_UNIFORM else lse
+    docs, sdb, sde, kvv, skb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
+    int64 = needs_int64(q, k, v, out, expand_mask(mask, B, Hq, S, Skv))
+
+    def launch(c):
+        BM, BN, nw, ns = c[:4]
+        rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
+        _attn_fwd[grid(triton.cdiv(S, BM), B * Hq)](
+            q, k, v, mt, rng, docs, kvv, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb, sde,
+            skb, *out.stride(),
+            Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
+            HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
+            MASK_KIND=kind,
+            IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
+            DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
+            BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
+            INT64=int64, num_warps=nw, num_stages=ns)
+
+    launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
+                                                         has_kvv), launch)
+    return out, lse

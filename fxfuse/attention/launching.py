@@ -1,0 +1,189 @@
+"""What the forward and backward launchers share: tile configs and the launch-with-fallback helper, the
+switches that pick a kernel variant, and the arguments every attention kernel takes the same way.
+
+* Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel ("fwd", "dkdv", "dq"), keyed by padded
+  head_dim and element size (:data:`DEFAULT_CONFIGS`), the fallbacks tried in order when one does not fit
+  (:data:`FALLBACK_CONFIGS`, :func:`launch_with_fallbacks`), tiny tiles under the interpreter
+  (:data:`INTERPRET_CONFIG`); :func:`config_for` picks one.
+* Switches, module attributes read at every launch (benchmarks and tests set them here): ``FAST_TANH``
+  (tanh.approx for bf16 / fp16), ``BLOCK_MAJOR_GRID`` (grid order), ``FORCE_INT64`` (64-bit addresses at any size).
+  The mask tensor's block ranges have theirs in :mod:`.block_map` (``MASK_BLOCK_RANGES``).
+* Arguments: a mask tensor's strides and kind (:func:`mask_args`), the recipe vectors (:func:`recipe_args`),
+  whether addresses need 64 bits (:func:`needs_int64`), the softcap variant and scalars (:func:`softcap_mode`,
+  :func:`score_scalars`), the grid and a program's ids in it (:func:`grid`, ``grid_ids``), and the arguments
+  Triton must not specialise on (:data:`MASK_LENGTHS`).
+"""
+from __future__ import annotations
+
+import torch
+
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
+
+from .conventions import LOG2E
+from .reference import expand_mask
+
+__all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "FORCE_INT64", "needs_int64", "FAST_TANH", "softcap_mode",
+           "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars"]
+
+# Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
+# size. Dh 256 bf16 (H200 sweeps in benchmarks/attention_notes.md): fwd (128, 64, 8 warps) keeps Q [128, 256]
+# in smem and streams K, V [64, 256]; the dK/dV kernel spills registers when it holds K, V and both fp32
+# [BLOCK_N, 256] accumulators, so it runs as two launches (split=1: dK, then dV), 2.5x faster than one;
+# configs that need more than Hopper's 227 KB smem (e.g. dq (128, 32, 8, 3) plus a mask tile) fall back.
+DEFAULT_CONFIGS = {
+    # (BLOCK_D, elem_size): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)}; M = query rows, N = key rows
+    (256, 2): {"fwd": (128, 64, 8, 2), "dkdv": (32, 128, 8, 2, 1), "dq": (128, 32, 8, 3)},
+    # Dh 128 bf16: backward tiles from an H200 sweep at 32k tokens, 8 packed documents, 32 q / 8 kv heads
+    # (results/h200-attn-bwd-sweep.jsonl): dq (128, 32, 8, 2) -> (128, 64, 8, 3) 11.74 -> 9.86 ms,
+    # dkdv (32, 128, 8, 2) -> (64, 128, 8, 2) 11.74 -> 11.27 ms (each axis swept with the other at its old value)
+    (128, 2): {"fwd": (128, 64, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)},
+    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 2), "dq": (128, 32, 4, 2)},
+    (256, 4): {"fwd": (64, 32, 8, 1), "dkdv": (32, 32, 8, 1), "dq": (32, 32, 8, 1)},
+    (128, 4): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
+    (64, 4): {"fwd": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)},
+}
+# Tried in order when a config does not fit (a mask tensor adds a tile of shared memory per block: the
+# Dh-256 dq config (128, 32, 8, 3) needs 240 KB with a mask, over Hopper's 227 KB; with a causal mask tensor at
+# B2 S4096 on the H200 its backward takes 3.62 ms with dq (128, 32, 8, 2), 3.65 with (128, 64, 8, 1), 3.88 with
+# (64, 32, 4, 3), against 3.27 ms with causal=True and no mask).
+FALLBACK_CONFIGS = {"fwd": [(64, 64, 4, 2), (32, 32, 4, 1)], "dkdv": [(32, 64, 8, 2, 1), (16, 32, 4, 1, 1)],
+                    "dq": [(128, 32, 8, 2), (64, 32, 4, 3), (32, 32, 4, 1)]}
+_WORKING = {}  # (kind, block_d, dtype, mask kind, requested config) -> config that launched
+
+
+def launch_with_fallbacks(kind, kernel, grid_of, cfg, key, launch):
+    """launch(cfg) with cfg, else with the fallbacks, remembering what worked for this key."""
+    from triton.runtime.errors import OutOfResources
+
+    k = (kind, key, tuple(cfg))
+    tries = [_WORKING[k]] if k in _WORKING else [tuple(cfg)] + FALLBACK_CONFIGS[kind]
+    for i, c in enumerate(tries):
+        try:
+            launch(c)
+            _WORKING[k] = c
+            return
+        except OutOfResources:
+            if i == len(tries) - 1:
+                raise
+
+
+# Tiny blocks for the interpreter (numpy): cheap and exercises the multi-block / boundary logic.
+INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
+
+
+def config_for(kind: str, block_d: int, dtype, override=None):
+    if override and kind in override:
+        return override[kind]
+    if interpreting():
+        return INTERPRET_CONFIG[kind]
+    es = 4 if dtype == torch.float32 else 2
+    key = (max(64, block_d), es)
+    return DEFAULT_CONFIGS[key][kind]
+
+
+# Arguments whose divisibility changes with the sequence length (the lengths; the mask's strides, which contain one)
+# are not specialised by Triton: with specialisation (on == 1 and on divisibility by 16) a variable-length workload
+# JIT-compiles new variants of each kernel in the middle of training. They only bound loops and address the mask.
+# q / k / v / output strides stay specialised: with a head_dim that is a multiple of 16 their divisibility does not
+# depend on the length, and it is what proves the tile loads aligned.
+MASK_LENGTHS = ['stride_mb', 'stride_mh', 'stride_mm', 'stride_rb', 'stride_rh', 'stride_docb', 'stride_doce',
+                'stride_kvvb']
+
+
+def mask_args(mask, B, Hq, S, Skv, like):
+    """(tensor to pass, 4 strides, MASK_KIND). Broadcast dims get stride 0; bool is read as uint8."""
+    if mask is None:
+        return like, (0, 0, 0, 0), 0
+    m = expand_mask(mask, B, Hq, S, Skv)
+    st = list(m.stride())
+    if m.shape[1] != Hq:  # head-broadcast mask: stride 0 over q heads
+        st[1] = 0
+    for i, n in enumerate(m.shape):
+        if n == 1:
+            st[i] = 0
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), tuple(st), 2
+    return m, tuple(st), 1
+
+
+def recipe_args(doc_ranges, key_valid, like):
+    """The recipe vectors as kernel arguments: (docs, stride_docb, stride_doce, kvv, stride_kvvb, HAS_DOCS,
+    HAS_KVV). ``doc_ranges`` int [2, B|1, S] (start, end of each token's document), ``key_valid`` bool [B|1, Skv];
+    a batch of 1 broadcasts (stride 0). O(B x S) each; absent ones are replaced by a dummy pointer."""
+    docs, sdb, sde, has_docs = like, 0, 0, False
+    if doc_ranges is not None:
+        docs = doc_ranges.to(torch.int32).contiguous()
+        sdb = docs.stride(1) if docs.shape[1] > 1 else 0
+        sde, has_docs = docs.stride(0), True
+    kvv, skb, has_kvv = like, 0, False
+    if key_valid is not None:
+        kvv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
+        skb, has_kvv = (kvv.stride(0) if kvv.shape[0] > 1 else 0), True
+    return docs, sdb, sde, kvv, skb, has_docs, has_kvv
+
+
+# Tests set this to run the 64-bit address path at small sizes.
+FORCE_INT64 = False
+
+
+def needs_int64(*tensors) -> bool:
+    """Does any tensor's farthest element sit at an offset past 2^31 - 1 (int32 address math would wrap)? Then
+    the kernels compute addresses in 64 bits (a constexpr variant); below that the int32 fast path."""
+    if FORCE_INT64:
+        return True
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            if sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) >= 2**31 - 1:
+                return True
+    return False
+
+
+# tanh.approx.f32 for bf16 / fp16 inputs on the GPU (one MUFU op per score instead of two; the softcap kernels
+# are MUFU-heavy: tanh and exp2 per score, in the forward and in each backward recompute). fp32 keeps the exact
+# formula (its 1e-4 tolerance is below tanh.approx's error); the interpreter cannot run inline PTX.
+FAST_TANH = True
+
+
+def softcap_mode(softcap, dtype) -> int:
+    if not softcap:
+        return 0
+    return 2 if (FAST_TANH and dtype in (torch.bfloat16, torch.float16) and not interpreting()) else 1
+
+
+# Grid order (see ``grid_ids``): True = (batch*heads, blocks), longest-first dispatch across all heads.
+BLOCK_MAJOR_GRID = True
+
+
+def grid(n_blocks, n_bh):
+    return (n_bh, n_blocks) if BLOCK_MAJOR_GRID else (n_blocks, n_bh)
+
+
+def score_scalars(scaling, softcap):
+    if softcap:
+        return scaling / softcap, softcap * LOG2E
+    return 1.0, scaling * LOG2E
+
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def grid_ids(BLOCK_MAJOR: tl.constexpr, REVERSE: tl.constexpr):
+        """(block index, batch*head index) of this program. Under a causal mask the work per block grows with
+        the query block (fwd, dQ: REVERSE, heaviest = last) or shrinks with the key block (dK/dV). Programs are
+        dispatched in linear-id order, so BLOCK_MAJOR (grid = (batch*heads, blocks)) makes the block index the
+        slow axis: every head's heaviest blocks go first and the light ones fill the tail (longest-first)."""
+        if BLOCK_MAJOR:
+            blk = tl.program_id(1)
+            nblk = tl.num_programs(1)
+            bh = tl.program_id(0)
+        else:
+            blk = tl.program_id(0)
+            nblk = tl.num_programs(0)
+            bh = tl.program_id(1)
+        if REVERSE:
+            blk = nblk - 1 - blk
+        return blk, bh
+else:  # pragma: no cover
+    grid_ids = None
