@@ -32,6 +32,15 @@ def _fresh_dynamo():
     _reset_accelerate_state()
 
 
+@pytest.fixture
+def verify_rewrites(monkeypatch):
+    """Compiles in the test run fxfuse's numeric verification (``FXFUSE_VERIFY=1``, read when options are parsed):
+    each pass's outputs and gradients are compared with the unfused graph's on the first real inputs, and a pass
+    that changes the numbers is rolled back, so a test that asserts a fusion also proves it kept the numbers.
+    The model-test files use it for all their tests (``pytestmark``)."""
+    monkeypatch.setenv("FXFUSE_VERIFY", "1")
+
+
 def _reset_accelerate_state():
     """Trainers leave accelerate's process-wide singletons (AcceleratorState, GradientState) behind; reset them so
     each test's trainer starts from a clean state."""

@@ -13,6 +13,9 @@ import fxfuse
 
 from conftest import assert_grads_close, grads_of, tiny_causal_lm
 
+# Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
+pytestmark = pytest.mark.usefixtures("verify_rewrites")
+
 AOT = {"compiler": "aot_eager"}
 B, HQ, HKV, S, D = 2, 4, 2, 10, 16
 

@@ -1,5 +1,5 @@
 """Autocast (AMP) rules of fxfuse's ops: under ``torch.autocast`` each op computes in the autocast dtype, as the
-linears / matmuls it replaces do in eager (``fxfuse/ops/autocast.py``). Each check: fp32 leaves under autocast give
+linears / matmuls it replaces do in eager (``fxfuse/autocast.py``). Each check: fp32 leaves under autocast give
 exactly what the op gives on operands cast by hand, and the gradients reach the fp32 leaves in fp32."""
 from __future__ import annotations
 

@@ -11,6 +11,9 @@ import fxfuse
 
 from conftest import tiny_causal_lm
 
+# Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
+pytestmark = pytest.mark.usefixtures("verify_rewrites")
+
 ARCHS = [("llama", "sdpa"), ("mistral", "sdpa"), ("qwen2", "sdpa"), ("qwen3", "sdpa"), ("gemma", "sdpa"),
          ("gemma2", "eager"), ("gemma3", "eager"), ("phi3", "sdpa")]
 STEPS = 20

@@ -10,6 +10,9 @@ import fxfuse
 
 from conftest import fused_sites, skipped_sites, tiny_causal_lm
 
+# Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
+pytestmark = pytest.mark.usefixtures("verify_rewrites")
+
 AOT = {"compiler": "aot_eager"}
 
 

@@ -12,6 +12,9 @@ import fxfuse
 
 from conftest import fused_sites, grads_of, skipped_sites, tiny_causal_lm
 
+# Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
+pytestmark = pytest.mark.usefixtures("verify_rewrites")
+
 peft = pytest.importorskip("peft")
 
 AOT = {"compiler": "aot_eager"}

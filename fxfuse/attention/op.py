@@ -61,7 +61,7 @@ from torch import Tensor
 from fxfuse.contracts import OpContract
 from fxfuse.graph_utils import known_true
 from fxfuse.kernels.triton_support import use_triton
-from fxfuse.ops.autocast import register_autocast_casts
+from fxfuse.autocast import register_autocast_casts
 
 # The kernel modules whose launchers this op calls (block_map's tile classifiers run inside both; imported here so
 # that `python -m fxfuse doctor` finds every kernel the op launches).

@@ -54,7 +54,7 @@ from ._lm_head import (LM_HEAD_DTYPES, check_class_indices, chunk_budget, empty_
                        flatten_and_grad_flags)
 from ..errors import FxFuseError
 from ..kernels import linear_cross_entropy as K
-from .autocast import register_autocast_casts
+from ..autocast import register_autocast_casts
 
 __all__ = ["linear_cross_entropy"]
 
@@ -219,7 +219,7 @@ def _linear_cross_entropy_composite(hidden, weight, target, bias, ignore_index=-
 
 
 _lib.impl("linear_cross_entropy", _linear_cross_entropy_composite, "CompositeImplicitAutograd")
-# Under autocast (AMP) the lm-head linear runs in the autocast dtype: so does the op (``fxfuse.ops.autocast``).
+# Under autocast (AMP) the lm-head linear runs in the autocast dtype: so does the op (``fxfuse.autocast``).
 register_autocast_casts("linear_cross_entropy", ("hidden", "weight", "bias"))
 
 

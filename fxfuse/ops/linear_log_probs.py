@@ -49,7 +49,7 @@ from ..contracts import OpContract
 from ._lm_head import (LM_HEAD_DTYPES, check_class_indices, chunk_budget, empty_weight_grads,
                        flatten_and_grad_flags)
 from ..kernels import linear_log_probs as K
-from .autocast import register_autocast_casts
+from ..autocast import register_autocast_casts
 
 __all__ = ["linear_log_probs"]
 
@@ -158,7 +158,7 @@ def _linear_log_probs_composite(hidden, weight, index, bias, temperature=1.0, so
 
 
 _lib.impl("linear_log_probs", _linear_log_probs_composite, "CompositeImplicitAutograd")
-# Under autocast (AMP) the lm-head linear runs in the autocast dtype: so does the op (``fxfuse.ops.autocast``).
+# Under autocast (AMP) the lm-head linear runs in the autocast dtype: so does the op (``fxfuse.autocast``).
 register_autocast_casts("linear_log_probs", ("hidden", "weight", "bias"))
 
 

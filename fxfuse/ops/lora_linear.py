@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..contracts import OpContract
 from ..kernels import lora_linear as K
-from .autocast import register_autocast_casts
+from ..autocast import register_autocast_casts
 
 __all__ = ["lora_linear", "lora_linear_group", "lora_dropout_keep_mask"]
 
@@ -236,7 +236,7 @@ def _lora_linear_composite(x, weight, bias, lora_a, lora_b, scaling, dropout_p):
 
 _lib.impl("lora_linear", _lora_linear_composite, "CompositeImplicitAutograd")
 _lib.impl("lora_linear_group", _lora_linear_group_composite, "CompositeImplicitAutograd")
-# Under autocast (AMP) the base and adapter linears run in the autocast dtype: so does the op (``fxfuse.ops.autocast``).
+# Under autocast (AMP) the base and adapter linears run in the autocast dtype: so does the op (``fxfuse.autocast``).
 register_autocast_casts("lora_linear", ("x", "weight", "bias", "lora_a", "lora_b"))
 register_autocast_casts("lora_linear_group", ("x", "weights", "biases", "lora_a", "lora_b"))
 
