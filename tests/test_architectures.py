@@ -1,7 +1,8 @@
 """A fixed subset of ``benchmarks/architectures.py``'s table, asserted: tiny random-init models of ten architectures
-built generically from their config classes' defaults (the script's builder), one training step eagerly and
-compiled with fxfuse. Per architecture: loss and every gradient equal eager's (fp32, relative error <= 2e-5 of
-each gradient's scale, see ``architectures.parity``), the lm-head loss and attention fused, nothing rolled back.
+built generically from their config classes' defaults (the script's builder, ``benchmarks/arch_models.py``), one
+training step eagerly and compiled with fxfuse (``benchmarks/arch_runner.py``). Per architecture: loss and every
+gradient equal eager's (fp32, relative error <= 2e-5 of each gradient's scale, see ``arch_runner.parity``), the
+lm-head loss and attention fused, nothing rolled back.
 
 The subset covers different code paths: SDPA with a padding mask (Llama), eager attention with a tanh softcap and
 a final logit softcap (Gemma-2), sliding / full layer types (Gemma-3), a logits divide and attention / residual
@@ -12,14 +13,10 @@ embeddings and a parallel block (GPT-J), and attention sinks with sliding window
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import architectures  # noqa: E402  (benchmarks/architectures.py)
+from benchmarks.arch_models import skip_reason, tiny_config
+from benchmarks.arch_runner import run_arch
 
 SUBSET = ["llama", "gemma2", "gemma3_text", "granite", "falcon", "deepseek_v3", "mixtral", "qwen2_moe", "jamba",
           "gptj", "gpt_oss"]
@@ -28,7 +25,7 @@ MOE = {"deepseek_v3", "mixtral", "qwen2_moe", "jamba", "gpt_oss"}
 
 @pytest.mark.parametrize("name", SUBSET)
 def test_one_step_matches_eager_with_lm_head_and_attention_fused(name):
-    rec = architectures.run_arch(name, coverage=False)
+    rec = run_arch(name, coverage=False)
     assert rec["status"] == "ok", rec.get("traceback") or rec
     msg = {k: rec.get(k) for k in ("fused", "skipped", "rolled_back", "why_not", "loss_rel_err",
                                    "grad_max_rel_err", "grad_worst_param", "grads_missing", "notes")}
@@ -46,21 +43,21 @@ def test_one_step_matches_eager_with_lm_head_and_attention_fused(name):
 def test_builder_scales_configs_generically():
     """The tiny configs come from the config classes' own defaults: the usual spellings scaled, per-layer patterns
     cut to one layer of each kind, MoE to few small experts, MLA's head dims keep their relation."""
-    cfg, notes = architectures.tiny_config("gemma3_text")
+    cfg, notes = tiny_config("gemma3_text")
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (64, 4, 2, 16)
     assert cfg.vocab_size == 256 and cfg.intermediate_size == 128
     assert sorted(set(cfg.layer_types)) == ["full_attention", "sliding_attention"] and cfg.num_hidden_layers == 2
     assert cfg.sliding_window == 8
-    cfg, _ = architectures.tiny_config("mixtral")
+    cfg, _ = tiny_config("mixtral")
     assert cfg.num_local_experts == 4 and cfg.num_experts_per_tok == 2
-    cfg, _ = architectures.tiny_config("deepseek_v3")
+    cfg, _ = tiny_config("deepseek_v3")
     assert cfg.n_routed_experts == 4 and cfg.num_experts_per_tok <= 2 and cfg.first_k_dense_replace == 1
     assert (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (16, 8, 16)
     assert cfg.qk_head_dim == 24  # = nope + rope, as in the default config
-    cfg, _ = architectures.tiny_config("gpt2")
+    cfg, _ = tiny_config("gpt2")
     assert (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size) == (64, 2, 4, 256)
     assert cfg.n_inner is None  # GPT-2's default: None means 4 x n_embd, left as the config class wrote it
     assert cfg.resid_pdrop == cfg.attn_pdrop == cfg.embd_pdrop == 0.0
-    assert architectures.skip_reason("bart") == "encoder-decoder"
-    assert architectures.skip_reason("gemma3").startswith("multimodal")
-    assert architectures.skip_reason("llama") is None
+    assert skip_reason("bart") == "encoder-decoder"
+    assert skip_reason("gemma3").startswith("multimodal")
+    assert skip_reason("llama") is None

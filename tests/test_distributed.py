@@ -1,13 +1,16 @@
 """Several processes (gloo, 2 ranks on the CPU): DDP, FSDP2 with the whole model compiled, FSDP2 with
 ``compile_regions``, FSDP2 over a PEFT LoRA model. In each, fxfuse's fused ops run (seen by the profiler) and the
 loss averaged over the ranks equals single-process eager on the same global batch, before and after an optimizer
-step (so the gradients agree too). ``compile_regions`` is also checked in one process."""
+step (so the gradients agree too). ``compile_regions`` is also checked in one process. Every rank must finish, its
+teardown included, within a time limit and exit 0: a hang fails the test."""
 from __future__ import annotations
 
 import json
 import os
 import socket
 import sys
+import time
+import traceback
 
 import pytest
 import torch
@@ -18,6 +21,11 @@ from conftest import grads_of, tiny_causal_lm
 HERE = os.path.dirname(os.path.abspath(__file__))
 AOT = {"compiler": "aot_eager"}
 STEPS = 2
+#: seconds for all ranks of a run to finish, teardown included (about a minute each on 2 CPU cores); past it the
+#: ranks are killed and the test fails: a hang is a bug, never a pass
+RANK_TIMEOUT_S = 300
+#: the same for one torchrun of examples/hf_trainer_fsdp2.py (2 to 3 minutes on 2 loaded CPU cores)
+HF_TIMEOUT_S = 480
 
 
 def _global_batch():
@@ -52,55 +60,106 @@ def _worker(rank, world, port, case, result_path):
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
     import torch.distributed as dist
+    # What the ranks use is imported before the group exists: torch.distributed.nn.functional (which FSDP2 imports)
+    # binds the default group of the moment of its import as default arguments; imported after init_process_group
+    # it would keep the group (and its gloo threads) alive past destroy_process_group, to the interpreter's exit.
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    import fxfuse.regions  # noqa: F401
+
+    if case == "fsdp2_lora":
+        import peft  # noqa: F401
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = _train(rank, world, case)
+    except BaseException:
+        traceback.print_exc()  # shown by pytest even if this rank then hangs in its teardown and is killed
+        dist.destroy_process_group()
+        raise  # a non-zero exit: the test fails with this traceback
+    _teardown()
+    # every gloo group is destroyed, its worker threads joined: nothing is left for the interpreter's finalization
+    assert _gloo_worker_threads() == 0, _gloo_worker_threads()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(result, f)
+
+
+def _train(rank, world, case):
+    """The ranks' work. Every module, compiled function and tensor of it is local here, so it is all released
+    when this returns (before :func:`_teardown`)."""
+    import torch.distributed as dist
 
     import fxfuse
     from fxfuse.regions import compile_regions
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        m = _model(lora=case == "fsdp2_lora")
-        if case == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    m = _model(lora=case == "fsdp2_lora")
+    if case == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-            fwd = torch.compile(DDP(m), backend="fxfuse", options=AOT)
+        fwd = torch.compile(DDP(m), backend="fxfuse", options=AOT)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in m.get_decoder().layers if hasattr(m, "get_decoder") else m.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        if case == "fsdp2_regions":
+            fwd = compile_regions(m, compiler="aot_eager")
         else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            fwd = torch.compile(m, backend="fxfuse", options=AOT)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+    losses, ops = [], set()
+    for ids in _global_batch():
+        shard = ids[rank * 2:(rank + 1) * 2]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = fwd(input_ids=shard, labels=shard, use_cache=False).loss
+            loss.backward()
+        ops |= {e.name for e in prof.events() if e.name.startswith("fxfuse::")}
+        opt.step()
+        opt.zero_grad()
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        losses.append(avg.item() / world)
+    fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused})
+    return {"losses": losses, "ops": sorted(ops), "fused": fused}
 
-            mesh = init_device_mesh("cpu", (world,))
-            for layer in m.get_decoder().layers if hasattr(m, "get_decoder") else m.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(m, mesh=mesh)
-            if case == "fsdp2_regions":
-                fwd = compile_regions(m, compiler="aot_eager")
-            else:
-                fwd = torch.compile(m, backend="fxfuse", options=AOT)
-        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
-        losses, ops = [], set()
-        for ids in _global_batch():
-            shard = ids[rank * 2:(rank + 1) * 2]
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                loss = fwd(input_ids=shard, labels=shard, use_cache=False).loss
-                loss.backward()
-            ops |= {e.name for e in prof.events() if e.name.startswith("fxfuse::")}
-            opt.step()
-            opt.zero_grad()
-            avg = loss.detach().clone()
-            dist.all_reduce(avg)
-            losses.append(avg.item() / world)
-        fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused})
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump({"losses": losses, "ops": sorted(ops), "fused": fused}, f)
-    finally:
-        dist.destroy_process_group()
-    # Done: leave without the interpreter's teardown. Deallocating DDP's Reducer there destroys its gloo process
-    # group, whose destructor joins a gloo thread that waits for the GIL the deallocating thread holds: a hang seen
-    # once in a CI run (both ranks in ~ProcessGroupGloo -> std::thread::join). An exception above still propagates.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+def _gloo_worker_threads():
+    """How many of this process's threads are a gloo process group's workers (they live as long as the group)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names.count("pt_gloo_runloop")
+
+
+def _teardown():
+    """Leave the process group in order, while the interpreter is fully alive.
+
+    Left to the interpreter's finalization, the last reference to the gloo group was the Reducer of the DDP module,
+    and ``~ProcessGroupGloo`` joined the group's worker threads while the finalizing thread held the GIL: once in
+    CI both ranks hung there (``~ProcessGroupGloo -> std::thread::join``, a gloo thread waiting for the GIL). Here
+    a barrier first (every collective of both ranks has completed: the worker threads are idle), then the compiled
+    code and the modules that held the group are collected, and ``destroy_process_group`` drops the last
+    reference: the destructor joins idle threads now, and the rank checks that no gloo thread is left."""
+    import gc
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    torch._dynamo.reset()
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _free_port():
@@ -111,6 +170,49 @@ def _free_port():
     return port
 
 
+def _spawn(fn, args, nprocs, timeout):
+    """``fn(rank, *args)`` in ``nprocs`` spawned processes. Fails the test if a rank raises or exits non-zero
+    (``ProcessContext.join`` raises, with the rank's traceback) or if the ranks are not all gone within ``timeout``
+    seconds (a hang, during the work or in teardown: the ranks still alive are killed and the test fails)."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=10):
+        if time.monotonic() >= deadline:
+            alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            pytest.fail(f"ranks {alive} still running after {timeout} s (exit codes: "
+                        f"{[p.exitcode for p in ctx.processes]}): a hang")
+
+
+def _kill_tree(pid):
+    """SIGKILL ``pid`` and every process below it. (torchrun starts each rank in a session of its own: killing
+    torchrun's process group would leave the ranks running, holding the output pipes open.)"""
+    import signal
+
+    children = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    tree, todo = [], [pid]
+    while todo:
+        q = todo.pop()
+        tree.append(q)
+        todo += children.get(q, [])
+    for q in tree:
+        try:
+            os.kill(q, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.parametrize("case,ops", [
     ("ddp", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2", {"fxfuse::linear_cross_entropy_fwd"}),
@@ -119,8 +221,7 @@ def _free_port():
 ])
 def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     result = tmp_path / "result.json"
-    mp.start_processes(_worker, args=(2, _free_port(), case, str(result)), nprocs=2, join=True,
-                       start_method="spawn")
+    _spawn(_worker, (2, _free_port(), case, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
     got = json.loads(result.read_text())
     ref = _eager_losses(lora=case == "fsdp2_lora")
     assert got["losses"] == pytest.approx(ref, rel=2e-5), (got, ref)
@@ -169,24 +270,23 @@ def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(
            "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "OMP_NUM_THREADS": "1"}
 
     def run(*flags):
-        import signal
-
         p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                               "--master_port", str(_free_port()), os.path.join(root, "examples", "hf_trainer_fsdp2.py"),
                               "--out", str(tmp_path / "out"), *flags],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
                              start_new_session=True)
         try:
-            out, err = p.communicate(timeout=300)
-            rc = p.returncode
+            out, err = p.communicate(timeout=HF_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            # torch's gloo teardown can hang after the work is done (DDP's Reducer destroying its process group
-            # while holding the GIL a gloo thread waits for): a RESULT line already printed still counts
-            os.killpg(p.pid, signal.SIGKILL)
+            # a hang is a bug, wherever it is (the training or the ranks' teardown): kill the ranks and fail
+            _kill_tree(p.pid)
             out, err = p.communicate()
-            rc = 0 if "RESULT " in out else -9
+            pytest.fail(f"hf_trainer_fsdp2.py {' '.join(flags) or '(compiled)'} still running after {HF_TIMEOUT_S} s, "
+                        f"{'after' if 'RESULT ' in out else 'before'} rank 0 printed its result: a hang\n"
+                        + out[-2000:] + err[-4000:])
         lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
-        assert rc == 0 and lines, out[-2000:] + err[-4000:]
+        # torchrun exits non-zero when any rank does
+        assert p.returncode == 0 and lines, (p.returncode, out[-2000:] + err[-4000:])
         return json.loads(lines[-1][len("RESULT "):])
 
     got, ref = run(), run("--no-compile")
