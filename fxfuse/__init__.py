@@ -30,7 +30,17 @@ from .version import __version__
 # The fused ops and the built-in passes load now: the pass registry is checked at import, not at the first compile.
 # ``fxfuse.passes`` is the top-level passes/ folder, installed under that name by the packaging configuration.
 from . import ops  # noqa: E402,F401
-from . import passes  # noqa: E402,F401
+
+try:
+    from . import passes  # noqa: E402,F401
+except ImportError:
+    import importlib.util as _util
+
+    if _util.find_spec(f"{__name__}.passes") is not None:
+        raise
+    # a source tree put on sys.path without installing it: say how to fix it
+    raise ImportError("fxfuse.passes is not installed: the top-level passes/ folder becomes fxfuse.passes through "
+                      "the packaging configuration, so install the checkout first (pip install -e .)") from None
 
 from .api import clear_reports, compile, report, reports  # noqa: E402  (compile: fxfuse.compile, not the builtin)
 from .inductor_hook import install, uninstall  # noqa: E402

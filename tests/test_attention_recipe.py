@@ -257,7 +257,7 @@ def test_checkpointed_layers_get_the_recipe_vectors_not_the_mask(captured_graphs
         got = compiled(input_ids=ids, **kw).loss
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     rep = fxfuse.report()
-    assert {s.detail.get("recipe") for s in fused_sites("sdpa_attention", rep)} == {"causal + documents"}
+    assert {s.detail.get("recipe") for s in fused_sites("sdpa_attention", rep)} == {"causal + documents"}, str(rep)
     dynamo_graph = captured_graphs[-3]  # the rewritten Dynamo graph of the symbolic compile (then AOT fw, bw)
     assert _two_symbolic_dims([dynamo_graph]) == []
     bodies = [m for name, m in dynamo_graph.named_modules() if name.startswith("wrap_body")]

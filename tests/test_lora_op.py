@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fxfuse
 from fxfuse.kernels import lora_linear as K
+from fxfuse.kernels.triton_support import interpreting
 from fxfuse.ops.lora_linear import lora_dropout_keep_mask, lora_linear
 
 
@@ -55,6 +56,16 @@ CASES = [  # N, din, dout, ranks, dropout ps, bias
 ]
 
 
+
+def _force_triton_on_cpu(monkeypatch):
+    """Run the Triton kernels on the CPU tensors of these tests: only through the interpreter (conftest sets
+    TRITON_INTERPRET=1 on CPU-only machines); on a GPU host the compiled kernels cannot read CPU memory."""
+    if not K.HAVE_TRITON:
+        pytest.skip("triton not installed")
+    if not interpreting():
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1 (CPU-only hosts)")
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"N{c[0]}-r{'+'.join(map(str, c[3]))}-p{'+'.join(map(str, c[4]))}")
 def test_matches_float64_reference_torch_path(case):
     N, din, dout, ranks, ps, bias = case
@@ -65,7 +76,7 @@ def test_matches_float64_reference_torch_path(case):
 @pytest.mark.parametrize("case", CASES[1:3], ids=["one-adapter-dropout", "two-adapters"])
 def test_matches_float64_reference_triton_kernels(case, monkeypatch):
     """The Triton kernels themselves (interpreter on CPU): ragged sizes, masked rank padding, atomics."""
-    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    _force_triton_on_cpu(monkeypatch)
     N, din, dout, ranks, ps, bias = case
     x, W, b, As, Bs = _inputs(N, din, dout, ranks, torch.float32, bias=bias)
     _check(x, W, b, As, Bs, [2.0, 0.5][:len(ranks)], ps, tol=2e-5)  # 16-bit dropout threshold: p within 2**-17
@@ -97,7 +108,7 @@ def test_dropout_mask_statistics_and_determinism():
 
 
 def test_triton_mask_statistics(monkeypatch):
-    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    _force_triton_on_cpu(monkeypatch)
     m = lora_dropout_keep_mask(torch.tensor(7), 96, 200, 0.3, "cpu")
     assert abs(m.float().mean().item() - 0.7) < 0.02
     # per column residue mod 8 (the 8 elements one Philox call covers) the keep rate is the same
@@ -231,9 +242,7 @@ GROUP_CASES = {  # din, douts, ranks per projection, ps per projection, biases o
 @pytest.mark.parametrize("case", list(GROUP_CASES), ids=list(GROUP_CASES))
 def test_group_matches_per_projection_float64_reference(case, triton, monkeypatch):
     if triton:
-        if not K.HAVE_TRITON:
-            pytest.skip("triton not installed")
-        monkeypatch.setattr(K, "FORCE_TRITON", True)
+        _force_triton_on_cpu(monkeypatch)
     din, douts, ranks, ps, biases = GROUP_CASES[case]
     x, Ws, bs, As, Bs = _group_inputs(37, din, douts, ranks, torch.float32, biases=biases)
     scalings = [[2.0] * len(r) for r in ranks]

