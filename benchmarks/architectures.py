@@ -10,12 +10,8 @@ match eager.
 Writes ``benchmarks/results/architectures.json`` and ``docs/architectures.md``. Each architecture runs in its own
 process with a time limit (``--timeout``, default 300 s), so a crash or a hang is one row, not the end of the run.
 
-The tiny config is built generically from the config class's own defaults, scaled down through the usual
-attribute spellings (:data:`SCALE`): hidden 64, 4 heads / 2 kv heads, head_dim 16, intermediate 128, vocab 256,
-MoE with 4 experts of 32, top-k <= 2, sliding windows 8. Per-layer patterns (``layer_types``, hybrid block lists,
-index lists of MoE / attention layers, periods and offsets) are cut to one layer of each kind, at least 2, so a
-hybrid model keeps its attention, SSM, dense and MoE layers. The module classes of the tiny model are compared
-with those of the full default model (built on the meta device); what the tiny one lacks is recorded.
+The tiny configs (hidden 64, 4 heads / 2 kv heads, per-layer patterns cut to one layer of each kind) and the
+batch are built in ``benchmarks/arch_models.py``; ``arch_runner.py`` runs them, ``arch_render.py`` writes the table.
 
 One step: batch 2 x 16, row 1 right-padded by 4 (an ``attention_mask`` where the model takes one), labels a
 tensor of their own with -100 at the pads and at the first two positions of row 0; fp32, train mode with every

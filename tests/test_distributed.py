@@ -148,15 +148,22 @@ def _teardown():
     Left to the interpreter's finalization, the last reference to the gloo group was the Reducer of the DDP module,
     and ``~ProcessGroupGloo`` joined the group's worker threads while the finalizing thread held the GIL: once in
     CI both ranks hung there (``~ProcessGroupGloo -> std::thread::join``, a gloo thread waiting for the GIL). Here
-    a barrier first (every collective of both ranks has completed: the worker threads are idle), then the compiled
-    code and the modules that held the group are collected, and ``destroy_process_group`` drops the last
-    reference: the destructor joins idle threads now, and the rank checks that no gloo thread is left."""
+    a barrier first (every collective of both ranks has completed: the worker threads are idle), then what still
+    holds the group is released (compiled code holding the modules; DTensor's caches holding FSDP2's mesh) and
+    collected, and ``destroy_process_group`` drops the last reference: the destructor joins idle threads now, and
+    the rank checks that no gloo thread is left."""
     import gc
 
     import torch.distributed as dist
 
     dist.barrier()
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # compiled code holds the modules
+    try:  # DTensor's sharding-propagation caches hold FSDP2's device mesh, which holds the group
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        pass
+    else:
+        _clear_sharding_prop_cache()
     gc.collect()
     dist.destroy_process_group()
     gc.collect()
