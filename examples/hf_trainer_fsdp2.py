@@ -58,6 +58,14 @@ def main():
             "fused": sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}),
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "wrapped": type(trainer.model_wrapped).__name__}), flush=True)
+    # Leave in order: every rank done, the trainer (and the FSDP2 model holding the process group) dropped, then
+    # the group destroyed here rather than at interpreter exit, where gloo's teardown can hang.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        del trainer, model
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
