@@ -56,7 +56,7 @@ def _version(module: str) -> str:
 def _triton_status() -> str:
     import torch
 
-    from .kernels._triton import HAVE_TRITON
+    from .kernels.triton_support import HAVE_TRITON
 
     if not HAVE_TRITON:
         return "no: triton is not installed (every fused op uses its PyTorch path)"

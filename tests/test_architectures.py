@@ -18,6 +18,8 @@ import pytest
 from benchmarks.arch_models import skip_reason, tiny_config
 from benchmarks.arch_runner import run_arch
 
+pytestmark = pytest.mark.slow  # compiles whole models several times, trains, or starts processes
+
 SUBSET = ["llama", "gemma2", "gemma3_text", "granite", "falcon", "deepseek_v3", "mixtral", "qwen2_moe", "jamba",
           "gptj", "gpt_oss"]
 MOE = {"deepseek_v3", "mixtral", "qwen2_moe", "jamba", "gpt_oss"}

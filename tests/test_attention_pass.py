@@ -276,6 +276,7 @@ def _assert_model_report(model, rep):
     assert not rep.rolled_back and not [r for r in rep.skipped if r.pass_name == "softcap_attention"], str(rep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_model_train_loss_and_grads(arch):
     model = _model(arch)
@@ -292,6 +293,7 @@ def test_hf_model_train_loss_and_grads(arch):
     assert_grads_close(model, gref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_model_eval_loss_and_logits(arch):
     model = _model(arch)
@@ -305,6 +307,7 @@ def test_hf_model_eval_loss_and_logits(arch):
         torch.testing.assert_close(torch.as_tensor(out.logits.detach()), ref.logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_bodies_are_fused():
     model = _model("gemma2")
     model.train()
@@ -336,6 +339,7 @@ def test_gradient_checkpointing_bodies_are_fused():
     assert_grads_close(model, gref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma2", "llama"])
 def test_autocast_bf16_attention_is_fused_and_as_accurate_as_eager(arch):
     """AMP: an fp32 model under bf16 autocast. q / k / v are fp32 and both attention matmuls return bf16 (autocast

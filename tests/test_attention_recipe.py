@@ -77,6 +77,7 @@ def _padding(kind, B, S):
     return valid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_recipe_op_matches_float64_within_eager(case, impl, monkeypatch):
@@ -114,6 +115,7 @@ def test_triton_recipe_path_with_64_bit_addresses(int64, monkeypatch):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_property_recipe_equals_the_same_mask_as_a_tensor(data):
@@ -216,6 +218,7 @@ def _batch(layout, n, g):
     return ids, kw
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,attn,layout,recipes,cfg", MODELS, ids=[f"{m[0]}-{m[2]}" for m in MODELS])
 def test_models_attend_from_the_recipe_with_no_s_by_s_tensor(arch, attn, layout, recipes, cfg, captured_graphs):
     torch.manual_seed(0)
@@ -244,6 +247,7 @@ def test_models_attend_from_the_recipe_with_no_s_by_s_tensor(arch, attn, layout,
     assert _two_symbolic_dims(symbolic) == []
 
 
+@pytest.mark.slow
 def test_checkpointed_layers_get_the_recipe_vectors_not_the_mask(captured_graphs):
     torch.manual_seed(0)
     model = tiny_causal_lm("llama", attn_implementation="sdpa")

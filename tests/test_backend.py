@@ -17,6 +17,7 @@ from conftest import assert_grads_close, grads_of, tiny_causal_lm
 AOT = {"compiler": "aot_eager"}
 
 
+@pytest.mark.slow
 def test_backend_by_name_without_import():
     code = textwrap.dedent("""
         import sys, torch
@@ -35,6 +36,7 @@ def test_backend_by_name_without_import():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_mlp_matches_eager_through_inductor():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
@@ -59,6 +61,7 @@ def _llama_step(model, ids, compiled=None):
     return out.loss.detach()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_tiny_llama_loss_and_grads_match_eager(checkpointing):
     model = tiny_causal_lm("llama")  # 2 layers, eager attention
@@ -99,6 +102,7 @@ def test_tiny_llama_loss_and_grads_match_eager(checkpointing):
         assert bodies == []
 
 
+@pytest.mark.slow
 def test_tiny_llama_through_inductor():
     model = tiny_causal_lm("llama")
     ids = torch.randint(0, 128, (2, 9))
@@ -110,6 +114,7 @@ def test_tiny_llama_through_inductor():
     assert_grads_close(model, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_dynamic_sequence_lengths_do_not_recompile():
     model = tiny_causal_lm("llama")
     calls = []

@@ -24,6 +24,7 @@ def _python_m_fxfuse(*args):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_help_lists_every_subcommand_and_unknown_is_a_usage_error():
     r = _python_m_fxfuse("--help")
     assert r.returncode == 0, r.stderr
@@ -84,6 +85,7 @@ def test_doctor_lists_versions_device_and_every_fused_op(capsys):
     assert "max_group=8" in out  # the passes with their declared options
 
 
+@pytest.mark.slow
 def test_demo_runs_shows_curves_fusions_and_no_warnings_of_its_own(tmp_path, capsys):
     png = tmp_path / "curves.png"
     with warnings.catch_warnings(record=True) as caught:
@@ -119,6 +121,7 @@ def test_module_path_is_written_as_the_user_writes_it(dynamo, user):
     assert module_path(dynamo) == user
 
 
+@pytest.mark.slow
 def test_peft_lora_site_location_reads_as_the_models_own_path():
     from peft import LoraConfig, get_peft_model
 

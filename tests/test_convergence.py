@@ -12,7 +12,7 @@ import fxfuse
 from conftest import tiny_causal_lm
 
 # Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
-pytestmark = pytest.mark.usefixtures("verify_rewrites")
+pytestmark = [pytest.mark.usefixtures("verify_rewrites"), pytest.mark.slow]
 
 ARCHS = [("llama", "sdpa"), ("mistral", "sdpa"), ("qwen2", "sdpa"), ("qwen3", "sdpa"), ("gemma", "sdpa"),
          ("gemma2", "eager"), ("gemma3", "eager"), ("phi3", "sdpa")]

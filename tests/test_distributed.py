@@ -18,6 +18,8 @@ import torch.multiprocessing as mp
 
 from conftest import grads_of, tiny_causal_lm
 
+pytestmark = pytest.mark.slow  # compiles whole models several times, trains, or starts processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 AOT = {"compiler": "aot_eager"}
 STEPS = 2

@@ -329,6 +329,7 @@ def _counting(backend):
     return CompileCounterWithBackend(backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("reduction,gif", [("mean", True), ("none", False), ("sum", False)])
 def test_compile_dynamic_no_recompile(backend, reduction, gif):

@@ -173,6 +173,7 @@ def test_dynamic_token_count_no_recompile():
 
 
 # ------------------------------------------------------------------------------------------- whole HF models
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gemma2"])
 def test_hf_models_loss_grads_and_lazy_logits(arch):
     model = tiny_causal_lm(arch)
@@ -196,6 +197,7 @@ def test_hf_models_loss_grads_and_lazy_logits(arch):
     torch.testing.assert_close(out.logits.detach(), ref.logits.detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_reading_lazy_logits_backpropagates_into_the_graph():
     model = tiny_causal_lm("gemma2")
     ids = torch.randint(0, 128, (2, 10))
@@ -214,6 +216,7 @@ def test_reading_lazy_logits_backpropagates_into_the_graph():
     assert_grads_close(model, gref)
 
 
+@pytest.mark.slow
 def test_materialize_option_returns_real_logits():
     model = tiny_causal_lm("llama")
     ids = torch.randint(0, 128, (2, 10))

@@ -198,6 +198,7 @@ def _ce_pair(reduction, softcap=None, label_smoothing=0.0, grad_in_forward=None,
     return fx, eager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", MARGINS)
 @pytest.mark.parametrize("mode", ["mean", "sum", "none", "mean-recompute"])
 def test_ce_peaked(margin, mode, path):
@@ -211,6 +212,7 @@ def test_ce_peaked(margin, mode, path):
     compare(fx, eager, [h, w, y], (0, 1), ("loss", "grad_hidden", "grad_weight"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", MARGINS)
 def test_ce_peaked_softcap(margin, path):
     """Softcap 30 (Gemma-2): z in (-30, 30), so |z| and the old lse error are large for every row."""
@@ -220,6 +222,7 @@ def test_ce_peaked_softcap(margin, path):
     compare(fx, eager, [h, w, y], (0, 1), ("loss", "grad_hidden", "grad_weight"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", [5, 20])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_ce_peaked_label_smoothing(margin, recompute, path):
@@ -229,6 +232,7 @@ def test_ce_peaked_label_smoothing(margin, recompute, path):
     compare(fx, eager, [h, w, y], (0, 1), ("loss", "grad_hidden", "grad_weight"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", [0, 10, 20])
 def test_ce_peaked_tied_weights(margin, path):
     """One weight as input embedding and lm head: its gradient sums the head's and the lookup's."""
@@ -288,6 +292,7 @@ def _upstream(seed=6):
             (torch.rand(N, generator=g) > 0.2).float())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", MARGINS)
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_log_probs_peaked(margin, reduction, path):
@@ -298,6 +303,7 @@ def test_log_probs_peaked(margin, reduction, path):
     compare(fx, eager, [h, w, y], (0, 1), ("logp", "entropy", "grad_hidden", "grad_weight"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", MARGINS)
 def test_log_probs_peaked_softcap_temperature(margin, path):
     h, w, y = peaked(margin, seed=8)
@@ -336,6 +342,7 @@ class _Head(torch.nn.Module):
         return _rows(z, labels, "mean") if rows else F.cross_entropy(z, labels, ignore_index=IGNORE)
 
 
+@pytest.mark.slow
 def test_compiled_module_peaked(path):
     """hidden -> linear head -> cross_entropy through torch.compile(backend="fxfuse") at margin 10: the site is
     fused and the loss and gradients meet the same bound."""

@@ -95,6 +95,7 @@ def path(request, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ numerics
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, None), (1.0, 30.0), (0.7, 30.0)])
@@ -134,6 +135,7 @@ def test_no_bias_logp_only_and_leading_dims(path):
     assert rel(logp, rl) < 1e-5 and rel(h3.grad, rh) < 1e-5 and rel(W.grad, rw) < 1e-5
 
 
+@pytest.mark.slow
 def test_one_output_unused(path):
     """Entropy returned but only logp used (and vice versa): the unused output's grad is None, not zeros."""
     for use in ("logp", "ent"):
@@ -211,6 +213,7 @@ def test_property_random_configs():
 
 
 # ------------------------------------------------------------------------------------------------ row kernel
+@pytest.mark.slow
 @pytest.mark.skipif(not (K.HAVE_TRITON and (INTERPRET or torch.cuda.is_available())),
                     reason="needs triton + TRITON_INTERPRET=1 on CPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -114,6 +114,7 @@ def test_refusals_have_reasons_and_stay_correct(case):
     assert any(reason in s.reason for s in _skips()), str(fxfuse.report())
 
 
+@pytest.mark.slow
 def test_grpo_style_loss_on_a_whole_model():
     """A user's GRPO-style step compiled as one region: model logits -> shift -> / T -> log-probs and entropy ->
     advantage-weighted loss. Fused; loss, log-probs, entropy and every parameter gradient equal eager."""

@@ -149,6 +149,7 @@ def test_compiled_dynamic_shapes_no_recompile():
     assert cnt.frame_count == 1
 
 
+@pytest.mark.slow
 def test_checkpointed_recompute_uses_the_forward_mask():
     """Activation checkpointing recomputes the op in the backward: the seed is a saved graph value (drawn by
     torch.randint in the op's decomposition), so the recomputed mask is the forward's."""

@@ -13,7 +13,7 @@ import fxfuse
 from conftest import fused_sites, grads_of, skipped_sites, tiny_causal_lm
 
 # Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
-pytestmark = pytest.mark.usefixtures("verify_rewrites")
+pytestmark = [pytest.mark.usefixtures("verify_rewrites"), pytest.mark.slow]
 
 peft = pytest.importorskip("peft")
 

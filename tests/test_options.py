@@ -154,6 +154,7 @@ def test_compile_raises_at_the_call_not_at_the_first_forward():
     assert not fxfuse.reports()  # nothing was compiled
 
 
+@pytest.mark.slow
 def test_compile_merges_keyword_options_and_runs_the_passes():
     model = tiny_causal_lm("llama")
     ids = torch.randint(0, 128, (2, 12))
@@ -264,6 +265,7 @@ def _trainer_losses(tmp_path, tag, compile_it):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+@pytest.mark.slow
 def test_hf_trainer_torch_compile_runs_fxfuse_after_install(tmp_path, clean_hook):
     """``TrainingArguments(torch_compile=True)``: accelerate compiles with Inductor, which now runs fxfuse's
     passes; the losses equal an uncompiled run's."""

@@ -16,6 +16,8 @@ import pytest
 from _trainer_utils import assert_losses_unchanged, make_texts, make_tokenizer, train_args
 from conftest import tiny_causal_lm
 
+pytestmark = pytest.mark.slow  # compiles whole models several times, trains, or starts processes
+
 COMMON = train_args(max_steps=2)
 
 

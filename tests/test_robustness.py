@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------------------------------------------- 1. lazy logits
+@pytest.mark.slow
 def test_lazy_logits_read_after_the_weights_changed_raise_and_say_how_to_get_them():
     model = tiny_causal_lm("llama")
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -112,6 +113,7 @@ def test_a_pass_that_changes_values_is_caught_by_verify_and_reported_without_it(
     assert "test_robustness.py" in rec.location, rec.location  # the user's line around the changed node
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,attn,layout", [("llama", "sdpa", "padded"), ("gemma2", "eager", "padded"),
                                                ("qwen2", "sdpa", "plain")])
 def test_verify_passes_every_builtin_fusion_on_tiny_models(arch, attn, layout):
@@ -146,6 +148,7 @@ _CACHE_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_an_edited_fxfuse_never_runs_code_cached_from_the_old_one(tmp_path):
     """Two processes share Inductor's on-disk caches; between them fxfuse's composite op is edited (its loss now
     doubled). The second process must compile and run the edited op, not the graph cached from the first."""
@@ -191,6 +194,7 @@ _INSTALL_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_a_graph_served_from_aotautograd_cache_under_install_says_its_report_is_missing(tmp_path):
     """Under install(), torch looks a graph up in AOTAutograd's cache before Inductor's pre-grad passes: the second
     process runs the cached fused code without running fxfuse's pass. reports() must say so, not look unfused."""
@@ -270,6 +274,7 @@ def test_a_pass_that_raises_is_reported_at_its_own_line():
     assert "test_robustness.py" in rec.location and "half-way through" in rec.location, rec.location
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [128, -3])
 def test_out_of_range_targets_name_the_op_the_value_and_the_position(bad):
     from fxfuse.errors import FxFuseContractError

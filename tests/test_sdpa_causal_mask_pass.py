@@ -25,6 +25,7 @@ def _reasons(rep=None):
     return [s.reason for s in skipped_sites("sdpa_causal_mask", rep)]
 
 
+@pytest.mark.slow
 def test_causal_mask_becomes_is_causal_and_matches_eager(tmp_path):
     m = _sdpa_model()
     ids = torch.randint(0, 128, (2, 16))
@@ -46,6 +47,7 @@ def test_causal_mask_becomes_is_causal_and_matches_eager(tmp_path):
     assert after.replace(" ", "").count("is_causal=True") == 2 and "cumsum" in before and "cumsum" not in after
 
 
+@pytest.mark.slow
 def test_padding_mask_is_left_alone():
     m = _sdpa_model()
     ids = torch.randint(0, 128, (2, 16))
@@ -59,6 +61,7 @@ def test_padding_mask_is_left_alone():
     assert any("graph input" in r for r in _reasons())
 
 
+@pytest.mark.slow
 def test_sliding_window_shorter_than_sequence_is_not_causal():
     m = _sdpa_model("mistral", sliding_window=8)
     ids = torch.randint(0, 128, (1, 16))
@@ -69,6 +72,7 @@ def test_sliding_window_shorter_than_sequence_is_not_causal():
     assert any("not the plain causal mask" in r for r in _reasons()), _reasons()
 
 
+@pytest.mark.slow
 def test_symbolic_sequence_length_is_left_alone():
     m = _sdpa_model()
     c = torch.compile(m, backend="fxfuse", options=AOT, dynamic=True)

@@ -247,6 +247,7 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU-only hosts' check of the "
                     "kernels; on the GPU host (torch 2.11, triton 3.6) the interpreter raises numpy's 'only "
                     "0-dimensional arrays can be converted to Python scalars'")

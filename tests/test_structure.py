@@ -126,6 +126,21 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_every_import_of_fxfuse_names_a_module_that_exists():
+    """Function-level imports included: a moved module breaks them only when that code path runs."""
+    missing = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(name, path, node.level, node.module)
+                if target.startswith("fxfuse") and target not in MODULES:
+                    missing.append(f"{name} line {node.lineno}: from {target} import ...")
+            elif isinstance(node, ast.Import):
+                missing += [f"{name} line {node.lineno}: import {a.name}" for a in node.names
+                            if a.name.startswith("fxfuse") and a.name not in MODULES]
+    assert missing == []
+
+
 def test_no_private_name_across_modules():
     found = {name: priv for name, path in MODULES.items() for priv in [_imports(name, path)[1]] if priv}
     assert found == {}, "private names imported or read from another fxfuse module (make them public or move them)"

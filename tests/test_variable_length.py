@@ -16,7 +16,7 @@ import torch._dynamo.testing
 from conftest import grads_of, tiny_causal_lm
 
 # Every rewrite in these model tests is also checked numerically against the unfused graph (conftest).
-pytestmark = pytest.mark.usefixtures("verify_rewrites")
+pytestmark = [pytest.mark.usefixtures("verify_rewrites"), pytest.mark.slow]
 
 AOT = {"compiler": "aot_eager"}
 LENGTHS = list(range(19, 19 + 10 * 5, 5))  # 10 lengths
