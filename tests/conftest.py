@@ -18,7 +18,8 @@ import torch._inductor.config  # noqa: E402
 
 torch._inductor.config.force_disable_caches = True
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# Threads per test process: the cores shared among pytest-xdist's workers (README's test command runs two).
+torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.fixture(autouse=True)
