@@ -136,6 +136,33 @@ def sec_breakdown(args):
             torch.cuda.empty_cache()
 
 
+_SEEN = set()
+
+
+def compiled_stats():
+    """Registers, spills, shared memory and the wgmma count of each attention kernel compiled since the last
+    call (triton keeps them in ``device_caches``)."""
+    from fxfuse.attention import backward, forward
+    rows = []
+    for fn in (forward._attn_fwd, backward._attn_bwd_dkdv, backward._attn_bwd_dq):
+        for dev_cache in fn.device_caches.values():
+            for key, k in list(dev_cache[0].items()):
+                if id(k) in _SEEN:
+                    continue
+                _SEEN.add(id(k))
+                try:
+                    k._init_handles()
+                except Exception:
+                    pass
+                ptx = k.asm.get("ptx", "") if hasattr(k, "asm") else ""
+                rows.append(dict(kernel=fn.__name__, regs=getattr(k, "n_regs", None),
+                                 spills=getattr(k, "n_spills", None), smem=k.metadata.shared,
+                                 warps=k.metadata.num_warps, stages=k.metadata.num_stages,
+                                 wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
+                                 local=ptx.count("ld.local") + ptx.count("st.local")))
+    return rows
+
+
 def sec_sweep(args):
     from fxfuse.attention.launching import DEFAULT_CONFIGS
     cands = json.loads(args.sweep_json) if args.sweep_json else {}
@@ -154,7 +181,8 @@ def sec_sweep(args):
                         fn = fwd if kern == "fwd" else bwd
                         t = median_ms(fn)
                         emit(impl="fxfuse", layout=layout, D=D, S=S, part=f"sweep_{kern}", config=list(c),
-                             ms=round(t, 3), tflops=round((1 if kern == "fwd" else 2.5) * ff / t / 1e9))
+                             ms=round(t, 3), tflops=round((1 if kern == "fwd" else 2.5) * ff / t / 1e9),
+                             compiled=[r for r in compiled_stats() if r["kernel"].endswith(kern)])
                     except Exception as e:
                         emit(impl="fxfuse", layout=layout, D=D, S=S, part=f"sweep_{kern}", config=list(c),
                              error=f"{type(e).__name__}: {str(e)[:200]}")

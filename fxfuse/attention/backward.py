@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import launching
 from .block_map import (kv_block_query_ranges, load_ranges, mask_block_ranges_of, q_block_key_ranges_of,
@@ -27,7 +27,7 @@ from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         recipe_args, score_scalars, softcap_mode)
 from .reference import expand_mask, nan_grads_of_dead_rows
-from .scores import dot, load_tile, masked_scores, tanh_exp2
+from .scores import dot, dot_acc, load_tile, masked_scores, tanh_exp2
 
 __all__ = ["attention_bwd_triton"]
 
@@ -60,39 +60,70 @@ if HAVE_TRITON:
         tl.store(DELTA + bh * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
 
     @triton.jit
-    def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d, lo, hi,
-                        stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+    def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, offs_n,
+                        offs_m0, offs_d, lo, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
+                        out_mul, DST, KVV,
                         BLOCK_M: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
-                        DO_DV: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
-        # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]
-        for start_m in range(lo, hi, BLOCK_M):
+                        DO_DV: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
+                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr):
+        # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]. This kernel holds two fp32
+        # [BLOCK_N, Dh] accumulators: every register counts (spills cost it ~20% on the H200), so no q / dO load
+        # here takes a bounds mask: interior blocks lie inside the sequence (block_map), boundary blocks go
+        # through the copy engine (or clamp their row index).
+        # Boundary blocks are few (the diagonal, a document's edge, the ragged end): their loops run unpipelined,
+        # so that their buffers do not add to the interior loop's register pressure (sm_90, 3 stages: 424 -> 72
+        # bytes of spills in the Dh-128 kernel).
+        for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if BOUNDARY else None):
             offs_m = start_m + offs_m0
-            q_mask = offs_m[:, None] < S
-            if D_MASK:
-                q_mask = q_mask & (offs_d[None, :] < D_MASK)
-            q = tl.load(Q_blk + offs_m[:, None] * stride_qm, mask=q_mask, other=0.0)
-            lse2 = tl.load(LSE_h + offs_m, mask=offs_m < S, other=float("inf")) * 1.4426950408889634
+            # Rows past the sequence end (the last, partial block): the copy engine reads them as 0 (USE_DESC), or
+            # they are read at the clamped index S - 1 (pointer tiles). Bounds-masked pointer loads would cost
+            # registers this kernel does not have. Those rows' scores are masked (BOUNDARY: qi < S): p = 0.
+            rows = tl.minimum(offs_m, S - 1) if BOUNDARY else offs_m
+            if USE_DESC:
+                # coordinates are 32-bit (each < 2^31 even where the INT64 variant runs; the engine does the rest)
+                q = Q_DESC.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), tl.cast(start_m, tl.int32),
+                                 0]).reshape(BLOCK_M, BLOCK_D)
+            else:
+                d_mask = (offs_d[None, :] < D_MASK) if D_MASK else None
+                q = load_tile(Q_blk + rows[:, None] * stride_qm, d_mask)
+            lse2 = tl.load(LSE_h + rows) * 1.4426950408889634
             qkT = dot(k, tl.trans(q), DOT_FP32)
             s2, t = masked_scores(qkT, sc_mul, out_mul, M_blk + offs_m[None, :] * stride_mm, offs_m[None, :],
                                   offs_n[:, None], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
                                   HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             pT = tl.exp2(s2 - lse2[None, :])
-            do = tl.load(DO_blk + offs_m[:, None] * stride_dom, mask=q_mask, other=0.0)
+            if USE_DESC:
+                do = DO_DESC.load([tl.cast(b, tl.int32), tl.cast(h, tl.int32), tl.cast(start_m, tl.int32),
+                                   0]).reshape(BLOCK_M, BLOCK_D)
+            else:
+                do = load_tile(DO_blk + rows[:, None] * stride_dom, d_mask)
             if DO_DV:
-                dv += dot(pT.to(do.dtype), do, DOT_FP32)
+                dv = dot_acc(pT.to(do.dtype), do, dv, DOT_FP32)
             if DO_DK:
                 dpT = dot(v, tl.trans(do), DOT_FP32)
-                Di = tl.load(DELTA_h + offs_m, mask=offs_m < S, other=0.0)
+                Di = tl.load(DELTA_h + rows)
                 dsT = pT * (dpT - Di[None, :])
                 if SOFTCAP:
                     dsT = dsT * (1.0 - t * t)  # d(cap * tanh(x / cap)) = 1 - tanh^2
-                dk += dot(dsT.to(q.dtype), q, DOT_FP32)
+                dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_FP32)
         return dk, dv
 
+    @triton.jit
+    def _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF, window, DEN,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                           HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, MASK_RANGES: tl.constexpr):
+        """(lo, b, c, hi) query ranges of this key block for q head h: from the (transposed) mask tensor's tile
+        classes (MASK_RANGES) or from the index masks."""
+        if MASK_RANGES:
+            return load_ranges(RNG + b * stride_rb + h * stride_rh + pid_n * 4, BLOCK_M)
+        else:
+            return kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                                         HAS_DOCS)
+
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DKDV)
-    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, DO, LSE, DELTA, DK, DV,
+    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC,
                        stride_qb, stride_qh, stride_qm, stride_qd,
                        stride_kb, stride_kh, stride_kn, stride_kd,
                        stride_vb, stride_vh, stride_vn, stride_vd,
@@ -107,7 +138,7 @@ if HAVE_TRITON:
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
                        DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
                        BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                       INT64: tl.constexpr):
+                       INT64: tl.constexpr, USE_DESC: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n, bhk = grid_ids(BLOCK_MAJOR, False)
@@ -145,28 +176,30 @@ if HAVE_TRITON:
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
             h = hk * G + g
-            if MASK_RANGES:  # query ranges of this key block from the (transposed) mask's tile classes
-                lo, b_, c_, hi = load_ranges(RNG + b * stride_rb + h * stride_rh + pid_n * 4, BLOCK_M)
-            else:
-                lo, b_, c_, hi = kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M, BLOCK_N,
-                                                       IS_CAUSAL, HAS_WINDOW, HAS_DOCS)
+            lo, b_, c_, hi = _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF,
+                                                window, DEN, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, HAS_DOCS,
+                                                MASK_RANGES)
             Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
             DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
             M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
             LSE_h = LSE + (b * H + h) * S
             DELTA_h = DELTA + (b * H + h) * S
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
-                                     lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
-                                     DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
-                                     b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False,
-                                     DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, M_blk, LSE_h, DELTA_h, offs_n, offs_m0, offs_d,
-                                     c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                                     out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True,
-                                     DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV)
+            # [lo, b) boundary | [b, c) interior | [c, hi) boundary
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
+                                     IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
+                                     IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
+                                     IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
         if DO_DK:
             dk = dk * scaling
             tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
@@ -203,7 +236,7 @@ if HAVE_TRITON:
             ds = p * (dp - Di[:, None])
             if SOFTCAP:
                 ds = ds * (1.0 - t * t)
-            dq += dot(ds.to(k.dtype), k, DOT_FP32)
+            dq = dot_acc(ds.to(k.dtype), k, dq, DOT_FP32)
         return dq
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DQ)
@@ -315,7 +348,7 @@ if HAVE_TRITON:
                     t = tanh_exp2(dot(q, tl.trans(k), DOT_FP32) * sc_mul)
                     ds = ds * (1.0 - t * t)
                 ds = tl.where(offs_n[None, :] < SKV, ds, 0.0)
-                dq += dot(ds.to(k.dtype), k, DOT_FP32)
+                dq = dot_acc(ds.to(k.dtype), k, dq, DOT_FP32)
             ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
             st = dead[:, None] & q_mask
             old = tl.load(ptrs, mask=st, other=0.0).to(tl.float32)
@@ -439,12 +472,16 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         # rows = key blocks, columns = query blocks: the transposed mask's ranges
         rng, rs = (mask_block_ranges_of(mt, ms, kind, B, Hq, Skv, S, BN, BM, transpose=True) if ranges
                    else (lse, (0, 0)))
+        # q / dO tiles through the copy engine where it can address them (no bounds masks, no pointer tiles)
+        q_desc, do_desc = tile_descriptor(q, [1, 1, BM, BLOCK_D]), tile_descriptor(do, [1, 1, BM, BLOCK_D])
+        use_desc = q_desc is not None and do_desc is not None
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv[grid(triton.cdiv(Skv, BN), B * Hkv)](
-                q, k, v, mt, rng, docs, kvv, do, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *ms,
+                q, k, v, mt, rng, docs, kvv, do, lse, delta, dk, dv, q_desc if use_desc else None,
+                do_desc if use_desc else None, *q.stride(), *k.stride(), *v.stride(), *ms,
                 *rs, sdb, sde, skb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
                 out_mul, float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
-                DO_DV=do_dv, **common)
+                DO_DV=do_dv, USE_DESC=use_desc, **common)
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]

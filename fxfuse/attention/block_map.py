@@ -145,18 +145,19 @@ if HAVE_TRITON:
     def kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
         """Query-row ranges for keys [start_n, start_n + BLOCK_N): kept iff q >= k - OFF (causal) and
-        q < k - OFF + window. [lo, b) and [c, hi) need index masks; [b, c) is fully kept (multiples of
-        BLOCK_M; rows >= S there are harmless: their lse is +inf, so p = 0)."""
+        q < k - OFF + window. [lo, b) and [c, hi) need index masks; [b, c) is fully kept and inside the
+        sequence (multiples of BLOCK_M, c <= S rounded down), so the kernel loads its q / dO rows without bounds
+        checks: the partial last block of rows is a boundary block."""
         lo = 0
         hi = S
         full_lo = 0
-        full_hi = tl.cdiv(S, BLOCK_M) * BLOCK_M
+        full_hi = (S // BLOCK_M) * BLOCK_M
         if IS_CAUSAL:
             lo = (tl.maximum(0, start_n - OFF) // BLOCK_M) * BLOCK_M
             full_lo = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - OFF), BLOCK_M) * BLOCK_M
         if HAS_WINDOW:
             hi = tl.minimum(S, tl.maximum(0, start_n + BLOCK_N - 1 - OFF + window))
-            full_hi = (tl.maximum(0, start_n - OFF + window) // BLOCK_M) * BLOCK_M
+            full_hi = tl.minimum(full_hi, (tl.maximum(0, start_n - OFF + window) // BLOCK_M) * BLOCK_M)
         if HAS_DOCS:
             # document ends are non-decreasing: the block's last key reaches the furthest query, its first key
             # bounds the queries that every key of the block reaches

@@ -21,7 +21,7 @@ from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         recipe_args, score_scalars, softcap_mode)
 from .reference import expand_mask, value_mean
-from .scores import dot, load_tile, masked_scores
+from .scores import dot, dot_acc, load_tile, masked_scores
 
 __all__ = ["attention_fwd_triton"]
 
@@ -60,7 +60,7 @@ if HAVE_TRITON:
             p = tl.exp2(s2 - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32)  # eager: p.to(q.dtype) @ v
+            acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)  # eager: p.to(q.dtype) @ v
             m_i = m_new
         return acc, l_i, m_i
 

@@ -36,9 +36,12 @@ DEFAULT_CONFIGS = {
     (256, 2): {"fwd": (128, 64, 8, 2), "dkdv": (32, 128, 8, 2, 1), "dq": (128, 32, 8, 3)},
     # Dh 128 bf16: backward tiles from an H200 sweep at 32k tokens, 8 packed documents, 32 q / 8 kv heads
     # (results/h200-attn-bwd-sweep.jsonl): dq (128, 32, 8, 2) -> (128, 64, 8, 3) 11.74 -> 9.86 ms,
-    # dkdv (32, 128, 8, 2) -> (64, 128, 8, 2) 11.74 -> 11.27 ms (each axis swept with the other at its old value)
-    (128, 2): {"fwd": (128, 64, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)},
-    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 2), "dq": (128, 32, 4, 2)},
+    # dkdv (32, 128, 8, 2) -> (64, 128, 8, 2) 11.74 -> 11.27 ms (each axis swept with the other at its old value).
+    # fwd (128, 64, 8, 3) -> (128, 128, 8, 3): 18.9 -> 17.8 ms causal, 2.65 -> 2.63 docs8 (32k, H200,
+    # results/h200-attn-kernels-2026-11-25.jsonl). Dh 64: dkdv (32, 128, 4, 2) -> (32, 128, 4, 3) 37.3 -> 36.4 ms
+    # causal backward, dq (128, 32, 4, 2) -> (128, 64, 4, 3) 36.6 -> 33.5 ms (same file).
+    (128, 2): {"fwd": (128, 128, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)},
+    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 64, 4, 3)},
     (256, 4): {"fwd": (64, 32, 8, 1), "dkdv": (32, 32, 8, 1), "dq": (32, 32, 8, 1)},
     (128, 4): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
     (64, 4): {"fwd": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)},
@@ -47,7 +50,7 @@ DEFAULT_CONFIGS = {
 # Dh-256 dq config (128, 32, 8, 3) needs 240 KB with a mask, over Hopper's 227 KB; with a causal mask tensor at
 # B2 S4096 on the H200 its backward takes 3.62 ms with dq (128, 32, 8, 2), 3.65 with (128, 64, 8, 1), 3.88 with
 # (64, 32, 4, 3), against 3.27 ms with causal=True and no mask).
-FALLBACK_CONFIGS = {"fwd": [(64, 64, 4, 2), (32, 32, 4, 1)], "dkdv": [(32, 64, 8, 2, 1), (16, 32, 4, 1, 1)],
+FALLBACK_CONFIGS = {"fwd": [(128, 64, 8, 3), (64, 64, 4, 2), (32, 32, 4, 1)], "dkdv": [(32, 64, 8, 2, 1), (16, 32, 4, 1, 1)],
                     "dq": [(128, 32, 8, 2), (64, 32, 4, 3), (32, 32, 4, 1)]}
 _WORKING = {}  # (kind, block_d, dtype, mask kind, requested config) -> config that launched
 

@@ -11,7 +11,8 @@ tiles are fully kept by construction of the loop bounds (:mod:`.block_map`). An 
 tanh comes in two forms, picked by the launchers (``SOFTCAP`` 1 / 2, :func:`.launching.softcap_mode`):
 :func:`tanh_exp2` (one exp2 and one division, ``1 - 2 / (2^(2x·log2 e) + 1)``, exact limits +-1 at overflow; fp32
 and the interpreter) and ``tanh.approx.f32`` (:func:`fxfuse.kernels.triton_support.tanh_approx`, bf16 / fp16 on
-the GPU). Also here, used by every kernel: :func:`dot` (exact fp32 products where needed) and :func:`load_tile`
+the GPU). Also here, used by every kernel: :func:`dot` / :func:`dot_acc` (exact fp32 products where needed; the
+accumulating form hands the accumulator to the MMA) and :func:`load_tile`
 (no bounds mask on interior tiles).
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fxfuse.kernels.triton_support import HAVE_TRITON, tanh_approx, tl, triton
 
 from .conventions import MASKED_BELOW
 
-__all__ = ["MASKED_BELOW_C", "tanh_exp2", "dot", "load_tile", "masked_scores"]
+__all__ = ["MASKED_BELOW_C", "tanh_exp2", "dot", "dot_acc", "load_tile", "masked_scores"]
 
 if HAVE_TRITON:
     # MASKED_BELOW as a Triton constant: a @triton.jit function reads a module global only if it is a tl.constexpr.
@@ -40,6 +41,15 @@ if HAVE_TRITON:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(a, b)
+
+    @triton.jit
+    def dot_acc(a, b, acc, DOT_FP32: tl.constexpr):
+        # acc + a @ b with the accumulator handed to the MMA (wgmma accumulates in place: no second [M, N]
+        # fp32 tile live in registers for the product, which the dK/dV kernel cannot afford)
+        if DOT_FP32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
 
     @triton.jit
     def load_tile(ptrs, msk):
@@ -101,4 +111,4 @@ if HAVE_TRITON:
         return s2
 else:  # pragma: no cover
     MASKED_BELOW_C = MASKED_BELOW
-    tanh_exp2 = dot = load_tile = masked_scores = None
+    tanh_exp2 = dot = dot_acc = load_tile = masked_scores = None

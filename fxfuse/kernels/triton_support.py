@@ -20,7 +20,26 @@ except Exception:  # pragma: no cover - exercised only where triton is missing
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp"]
+try:  # host-side TMA descriptors (triton >= 3.4; the interpreter runs them too)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
+__all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp",
+           "tile_descriptor"]
+
+
+def tile_descriptor(t, block_shape):
+    """A TMA tensor descriptor over ``t`` that loads ``block_shape`` tiles (rows past a dim's end read as 0), or
+    None where the copy engine cannot address ``t``: its last dim strided, another stride or the base not 16-byte
+    aligned (e.g. a head dim that is not a multiple of 8 in bf16), or no descriptor support in this Triton.
+    Kernels take the descriptor where they get one and fall back to pointer tiles otherwise."""
+    if TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
+        return None
+    es = t.element_size()
+    if any((st * es) % 16 for st in t.stride()[:-1]) or block_shape[-1] * es < 16:
+        return None
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))
 
 
 def interpreting() -> bool:
