@@ -207,6 +207,23 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
             res.append(["split", str(dt), S, Dh, "ok"])
         except AssertionError as e:
             res.append(["split", str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    # the dK/dV kernel reads q / dO tiles through TMA descriptors where the copy engine can address them
+    # (these cases) and through clamped pointer tiles otherwise (a head dim whose rows are not 16-byte aligned):
+    # run the pointer path on the ragged / windowed / padded-head-dim cases too
+    from fxfuse.attention import backward as BW
+    from fxfuse.kernels.triton_support import tile_descriptor
+    q0 = T.make_case(1, 2, 1, 19, 64, torch.float32, None)[0]
+    res.append(["descriptor-used", "ok" if tile_descriptor(q0, [1, 1, 16, 64]) is not None else "FAIL"])
+    res.append(["descriptor-refused", "ok" if tile_descriptor(q0[..., 1:], [1, 1, 16, 64]) is None else "FAIL"])
+    BW.tile_descriptor = lambda t, block_shape: None
+    for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases[:2] + cases[5:7]:
+        q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
+        try:
+            T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
+            res.append(["pointer-tiles", str(dt), S, Dh, "ok"])
+        except AssertionError as e:
+            res.append(["pointer-tiles", str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    BW.tile_descriptor = tile_descriptor
     # mask tensors alone (what the pass hands over): block ranges from the mask's tile classes
     for B, Hq, Hkv, S, Dh, kind, win, pl, pr, dt in [
         (1, 2, 1, 70, 64, "additive", 0, 0, 0, torch.float32),   # causal as a tensor
