@@ -35,7 +35,9 @@ Falcon's multi-query attention passes it, is fused as GQA). A value head_dim tha
 attention: DeepSeek-V2/V3, MiniCPM3, Kimi, ...) is fused with zero columns appended to the narrower side and the
 output sliced back (``head_dim_pads`` in the report).
 
-Pass options (``pass_options={"sdpa_attention": {...}}``): none.
+Pass options (``pass_options={"sdpa_attention": {...}}``): ``kernel``: ``"auto"`` (default) or ``"fxfuse"`` (run
+plain causal recipes through fxfuse's kernel instead of SDPA's causal kernels). Each site's report entry names the
+kernel and why (``kernel``, ``kernel_reason``; see :mod:`fxfuse.attention.dispatch`).
 """
 from __future__ import annotations
 
@@ -142,7 +144,10 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
 @register_pass(name=NAME,
                description="scaled_dot_product_attention with a bool mask tensor (packed / padded / dynamic-length "
                            "batches): the mask read from its recipe -> is_causal=True or fxfuse::softcap_attention "
-                           "with no S x S tensor; other masks -> the op with the mask tensor, empty tiles skipped")
+                           "with no S x S tensor; other masks -> the op with the mask tensor, empty tiles skipped",
+               options={"kernel": {"choices": ("auto", "fxfuse"), "default": "auto",
+                                   "doc": "auto: plain causal recipes run SDPA's causal kernels (measured faster), "
+                                          "the rest fxfuse's; fxfuse: fxfuse's kernel for plain causal too"}})
 def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     inputs, recipes = RecipeInputs(), []
@@ -158,7 +163,7 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                     ctx.skipped(n, "SDPA with a mask", why)
                 continue
             recipe, no_recipe = read_mask_recipe(m["mask"], gm, *m["shape"], kind="bool")
-            if recipe is not None and recipe.plain_causal:
+            if recipe is not None and recipe.plain_causal and ctx.choice_option("kernel") != "fxfuse":
                 # a causal mask at any length (HF materialises it at symbolic lengths): SDPA's own causal kernels
                 new = causal_sdpa(g, n)
                 n.replace_all_uses_with(new)
@@ -166,7 +171,9 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                 mark_mask(recipe)
                 recipes.append(recipe)
                 ctx.fused(new, "SDPA with a causal mask tensor -> is_causal=True (mask read from its recipe)",
-                          recipe=recipe.describe())
+                          recipe=recipe.describe(), kernel="sdpa",
+                          kernel_reason="plain causal: torch's causal SDPA kernels (cuDNN first on Hopper); "
+                                        "kernel='fxfuse' runs fxfuse's instead")
                 changed += 1
                 continue
             doc_ranges = key_valid = None
@@ -203,7 +210,9 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                       mask_tensor_kept=None if recipe is not None else no_recipe,
                       mask_shape=[str(s) for s in mv.shape], n_rep=m["n_rep"], masked_rows="zeros",
                       autocast_dtype=str(m["cast_to"]) if m["cast_to"] is not None else None,
-                      erased=[e.name for e in erased])
+                      erased=[e.name for e in erased], kernel="fxfuse",
+                      kernel_reason=("kernel='fxfuse' requested" if recipe is not None and recipe.plain_causal
+                                     else "SDPA would need the mask tensor"))
             changed += 1
         if changed:
             mod.recompile()

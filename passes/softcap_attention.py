@@ -43,6 +43,13 @@ real keys are all masked keeps the sink: eager's zeros. Not together with a tanh
 Under autocast (AMP: fp32 q / k / v, both matmuls returning bf16 / fp16) the op gets q / k / v cast to that
 dtype, as autocast casts them for the matmuls (``autocast_dtype`` in the report).
 
+Which kernel runs the site (:mod:`fxfuse.attention.dispatch`, ``kernel`` / ``kernel_reason`` in the report): where
+torch's SDPA can compute it with the op's contract (no softcap, window, documents, key padding, sinks or head-dim
+pads; plain causal with S == Skv, or no mask; bf16 / fp16) and was measured faster on the GPU in hand (cuDNN's
+causal kernel on Hopper at head dims 64 and 128), the site becomes ``scaled_dot_product_attention(q, k, v,
+is_causal=..., scale=scaling, enable_gqa=...)`` on the kv heads; everywhere else fxfuse's op. Pass option
+``kernel``: ``"auto"`` (default), ``"fxfuse"``, ``"sdpa"`` (SDPA wherever it can express the site).
+
 Not fused (reason in the fusion report): dropout that may be > 0 in training, scores or probabilities with other
 users (``output_attentions``), a scaling that is a graph value with no specialised example value, a mask that is a
 slice other than ``[..., :Skv]``, a mask that requires grad, masked_fill with a soft value, softmax not over the
@@ -53,11 +60,13 @@ from __future__ import annotations
 import operator
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 import fxfuse.attention.op  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
+from fxfuse.attention.dispatch import KERNELS, choose_kernel, sdpa_expressible
 from fxfuse.attention.mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
 from fxfuse.attention.matching import AttentionSite, append_sink_key, match_attention, pad_head_dims, slice_head_dim
-from fxfuse.graph_utils import copy_node_meta, erase_unused, node_val, numel_hint, op_kind
+from fxfuse.graph_utils import copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
 NAME = "softcap_attention"
@@ -77,7 +86,7 @@ def _recipe_of(site: AttentionSite, root: fx.GraphModule):
     return read_mask_recipe(site.mask, root, qv.shape[0], qv.shape[2], skv, kind=site.mask_kind)
 
 
-def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=None) -> None:
+def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=None, choice=None) -> None:
     g = gm.graph
     with g.inserting_before(site.pv):
         k = site.k
@@ -107,22 +116,46 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=N
                 copy_node_meta(t, site.qk)
             q, k, v = parts[:3]
             mask = parts[3] if mask is not None else None
-        q, k, v = pad_head_dims(g, q, k, v, site.pads, site.qk)  # v head_dim != q's (MLA): zero columns
-        node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
-                               (q, k, v, mask, site.scaling, site.softcap, causal, window, masked_rows, doc_ranges,
-                                key_valid))
-        out = g.call_function(operator.getitem, (node, 0))
-        copy_node_meta(out, site.qk)
-        out = slice_head_dim(g, out, site.pads, site.v_head_dim, site.qk)
+        if choice.kernel == "sdpa":  # torch's kernel measured faster for this recipe (fxfuse.attention.dispatch)
+            node = out = g.call_function(F.scaled_dot_product_attention, (q, k, v, None, 0.0, causal),
+                                         {"scale": site.scaling, "enable_gqa": site.n_rep > 1})
+        else:
+            q, k, v = pad_head_dims(g, q, k, v, site.pads, site.qk)  # v head_dim != q's (MLA): zero columns
+            node = g.call_function(torch.ops.fxfuse.softcap_attention.default,
+                                   (q, k, v, mask, site.scaling, site.softcap, causal, window, masked_rows,
+                                    doc_ranges, key_valid))
+            out = g.call_function(operator.getitem, (node, 0))
+            copy_node_meta(out, site.qk)
+            out = slice_head_dim(g, out, site.pads, site.v_head_dim, site.qk)
     copy_node_meta(node, site.qk)
     site.pv.replace_all_uses_with(out)
     g.erase_node(site.pv)
     return node
 
 
+def _kernel_choice(site: AttentionSite, recipe, mode: str):
+    """fxfuse's kernel or torch's SDPA for this site (see fxfuse.attention.dispatch)."""
+    qv, kv = node_val(site.q), node_val(site.k if site.k is not None else site.k_t)
+    skv = kv.shape[2] if site.k is not None else kv.shape[3]
+    if site.mask is not None and recipe is None:
+        ok, why = False, "a mask tensor the recipe reader could not prove"
+    else:
+        plain = recipe is None or recipe.plain_causal
+        ok, why = sdpa_expressible(
+            softcap=site.softcap, causal=recipe is not None, window=recipe.window if recipe is not None else 0,
+            has_mask=False, has_docs=not plain, has_key_valid=not plain, sinks=site.sinks is not None,
+            head_dim_pads=tuple(site.pads), same_length=known_true(qv.shape[2] == skv))
+    head_dim = qv.shape[-1]
+    return choose_kernel(mode, qv.device, site.cast_to or qv.dtype, head_dim if isinstance(head_dim, int) else -1,
+                         ok, why)
+
+
 @register_pass(name=NAME,
                description="eager attention (q @ k^T, scale, tanh softcap, mask, softmax, dropout 0, @ v; GQA by "
-                           "repeat_kv) -> fxfuse::softcap_attention")
+                           "repeat_kv) -> fxfuse::softcap_attention (or SDPA where measured faster)",
+               options={"kernel": {"choices": KERNELS, "default": "auto",
+                                   "doc": "auto: the measured faster of fxfuse's kernel and SDPA where SDPA can "
+                                           "run the site; fxfuse / sdpa force one"}})
 def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     inputs, recipes = RecipeInputs(), []
@@ -140,7 +173,8 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                 continue
             score_numel = numel_hint(node_val(site.qk))
             recipe, no_recipe = _recipe_of(site, gm)
-            node = _rewrite(mod, site, ctx, recipe, inputs)
+            choice = _kernel_choice(site, recipe, ctx.choice_option("kernel"))
+            node = _rewrite(mod, site, ctx, recipe, inputs, choice)
             if recipe is not None:
                 mark_mask(recipe)
                 recipes.append(recipe)
@@ -161,13 +195,14 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                           masked_rows=("zeros", "uniform", "nan")[site.masked_rows],
                           autocast_dtype=str(site.cast_to) if site.cast_to is not None else None,
                           head_dim_pads=list(site.pads), sinks=site.sinks.name if site.sinks is not None else None,
-                          erased=[n.name for n in erased])
+                          erased=[n.name for n in erased], kernel=choice.kernel, kernel_reason=choice.reason)
             op = (f"attention ({'softcap ' + format(site.softcap, 'g') + ', ' if site.softcap else ''}"
                   f"scaling {site.scaling:.6g}, "
                   + (f"mask recipe {recipe.describe()}" if recipe is not None else f"{site.mask_kind} mask")
                   + f", GQA {site.n_rep}:1"
                   + (", attention sinks" if site.sinks is not None else "")
                   + (f", head dims q/k +{site.pads[0]} v +{site.pads[1]} zero columns" if any(site.pads) else "")
+                  + (", run by SDPA: measured faster" if choice.kernel == "sdpa" else "")
                   + ")")
             ctx.fused(node, op, saved_bytes=saved, **detail)
             changed += 1

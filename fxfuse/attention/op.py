@@ -65,7 +65,7 @@ from fxfuse.autocast import register_autocast_casts
 
 # The kernel modules whose launchers this op calls (block_map's tile classifiers run inside both; imported here so
 # that `python -m fxfuse doctor` finds every kernel the op launches).
-from . import backward, block_map, forward, reference  # noqa: F401
+from . import backward, block_map, dispatch, forward, reference  # noqa: F401
 from .conventions import (BACKWARD_OP_NAME, DTYPES, MASKED_ROWS, MASKED_ROWS_NAN, MASKED_ROWS_UNIFORM,
                           MASKED_ROWS_ZERO, MAX_HEAD_DIM, OP_NAME)
 
@@ -218,7 +218,7 @@ register_autocast_casts("softcap_attention", ("q", "k", "v"))
 def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor] = None,
                       scaling: Optional[float] = None, softcap: Optional[float] = None, causal: bool = False,
                       window: Optional[int] = None, masked_rows: str = "zero", doc_ranges: Optional[Tensor] = None,
-                      key_valid: Optional[Tensor] = None) -> Tensor:
+                      key_valid: Optional[Tensor] = None, kernel: str = "auto") -> Tensor:
     """Gemma-2 eager attention without materialising scores: ``softmax(cap*tanh(q k^T * scaling / cap) +
     mask) @ v`` with GQA, causal / sliding window and a mask tensor. See the module docstring.
 
@@ -227,6 +227,10 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor]
     padding keys: the mask by recipe, nothing of size S x Skv anywhere. ``masked_rows``: what a query row whose every key is masked gives: ``"zero"`` (as SDPA with a bool mask),
     ``"uniform"`` (as eager attention with a finite fill such as HF's ``finfo.min`` masks: the mean of v, with
     eager's gradients) or ``"nan"`` (as eager attention with a -inf fill).
+
+    ``kernel``: ``"auto"`` runs torch's ``scaled_dot_product_attention`` instead where it computes the same thing
+    and was measured faster on this GPU (plain causal with S == Skv or no mask, no softcap, bf16 / fp16; see
+    :mod:`fxfuse.attention.dispatch`), ``"fxfuse"`` always fxfuse's kernels, ``"sdpa"`` SDPA wherever it can.
     """
     scaling = float(q.shape[-1]) ** -0.5 if scaling is None else float(scaling)
     softcap = float(softcap or 0.0)
@@ -239,6 +243,16 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor]
                             key_valid)
     if mask is not None and mask.requires_grad:
         OpContract(OP_NAME, mask=mask).fail("mask must not require grad (the op gives it no gradient)")
+    if kernel not in dispatch.KERNELS:
+        OpContract(OP_NAME, q=q).fail(f"kernel must be one of {dispatch.KERNELS}, got {kernel!r}")
+    if kernel != "fxfuse":
+        ok, why = dispatch.sdpa_expressible(
+            softcap=softcap, causal=causal, window=window, has_mask=mask is not None, has_docs=doc_ranges is not None,
+            has_key_valid=key_valid is not None, sinks=False, head_dim_pads=(0, 0),
+            same_length=known_true(q.shape[2] == k.shape[2]))
+        if dispatch.choose_kernel(kernel, q.device, q.dtype, q.shape[-1], ok, why).kernel == "sdpa":
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, None, 0.0, causal, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     out, _ = torch.ops.fxfuse.softcap_attention(q, k, v, mask, scaling, softcap, causal, window,
                                                 modes[masked_rows], doc_ranges, key_valid)
     return out

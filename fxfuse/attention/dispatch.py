@@ -1,0 +1,99 @@
+"""Which kernel runs an attention site: fxfuse's own (``fxfuse::softcap_attention``) or one torch already ships
+(``scaled_dot_product_attention``, whose cuDNN backend torch picks first on Hopper).
+
+torch's kernels handle only part of what the op does: no tanh softcap, no sliding window, no packed documents or
+key padding without an S x Skv mask, no attention sinks, and ``is_causal`` aligned top-left (the op aligns
+bottom-right; they agree only when S == Skv). Where a site's recipe is one torch handles with the same numerical
+contract (plain causal with S == Skv, or no mask at all: no fully masked rows either way), the faster kernel on
+the GPU in hand runs it. "Faster" is what was measured side by side on the card (:data:`MEASURED`), not a guess:
+a GPU or head dim with no measurement keeps fxfuse's kernel, and the fusion report says which kernel ran at each
+site and why (``kernel``, ``kernel_reason``).
+
+The choice is made where the site is rewritten (the attention passes) and by the public function
+:func:`fxfuse.ops.softcap_attention` for eager calls; the op itself always runs fxfuse's kernels. Override with
+the passes' ``kernel`` option (``"auto"`` default, ``"fxfuse"``, ``"sdpa"``: SDPA wherever it can express the
+site, measured or not) or the public function's ``kernel`` argument.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["KERNELS", "MEASURED", "KernelChoice", "sdpa_expressible", "choose_kernel"]
+
+KERNELS = ("auto", "fxfuse", "sdpa")
+
+# (compute capability, head_dim) -> what was measured for a plain causal layer (bf16, 32 q / 8 kv heads, 32k tokens,
+# forward + backward) on that card: (SDPA's kernel ms, fxfuse's kernel ms, where the rows are). SDPA is chosen
+# where its time is lower. sm_90: H200, torch 2.11 / cuDNN's sm90 flash kernels, triton 3.6.
+MEASURED = {
+    ((9, 0), 64): (35.6, 48.5, "benchmarks/results/h200-attn-kernels-2026-11-25.jsonl"),
+    ((9, 0), 128): (55.3, 76.0, "benchmarks/results/h200-attn-kernels-2026-11-25.jsonl"),
+}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernel: str  # "fxfuse" | "sdpa"
+    reason: str
+
+
+def sdpa_expressible(*, softcap: float, causal: bool, window: int, has_mask: bool, has_docs: bool,
+                     has_key_valid: bool, sinks: bool, head_dim_pads: Tuple[int, int],
+                     same_length: bool) -> Tuple[bool, str]:
+    """Can ``scaled_dot_product_attention`` (no mask tensor) compute this site with the op's contract?"""
+    if softcap:
+        return False, "tanh softcap (SDPA has none)"
+    if sinks:
+        return False, "attention sinks"
+    if window:
+        return False, "sliding window (SDPA has no window without a mask tensor)"
+    if has_docs or has_key_valid:
+        return False, "packed documents / key padding (SDPA would need the S x Skv mask)"
+    if has_mask:
+        return False, "a mask tensor the recipe reader could not prove"
+    if causal and not same_length:
+        return False, "causal with S != Skv (SDPA's is_causal aligns top-left, the op bottom-right)"
+    if any(head_dim_pads):
+        return False, "q/k and v head dims differ"
+    return True, ""
+
+
+def _cudnn_sdpa_usable() -> bool:
+    try:
+        return bool(torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
+    except Exception:  # pragma: no cover - older torch without the switch
+        return False
+
+
+def choose_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int, expressible: bool, why_not: str,
+                  capability: Optional[Tuple[int, int]] = None) -> KernelChoice:
+    """The kernel for a site. ``mode``: "auto" (the measured faster one), "fxfuse", "sdpa" (where expressible).
+    ``capability`` defaults to the device's (tests pass one)."""
+    if mode not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {mode!r}")
+    if mode == "fxfuse":
+        return KernelChoice("fxfuse", "kernel='fxfuse' requested")
+    if not expressible:
+        return KernelChoice("fxfuse", f"SDPA cannot run it: {why_not}")
+    if mode == "sdpa":
+        return KernelChoice("sdpa", "kernel='sdpa' requested")
+    if device.type != "cuda":
+        return KernelChoice("fxfuse", f"{device.type} device: fxfuse's blockwise path")
+    if dtype not in (torch.bfloat16, torch.float16):
+        return KernelChoice("fxfuse", f"{dtype}: measured only in bf16 / fp16 (SDPA's fused kernels)")
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    m = MEASURED.get((tuple(capability), int(head_dim)))
+    if m is None:
+        return KernelChoice("fxfuse", f"no side-by-side measurement for sm_{capability[0]}{capability[1]} at "
+                                      f"head_dim {head_dim}: fxfuse's kernel kept")
+    if not _cudnn_sdpa_usable():
+        return KernelChoice("fxfuse", "cuDNN SDPA is disabled or unavailable here (the measured SDPA kernel)")
+    sdpa_ms, ours_ms, where = m
+    if sdpa_ms < ours_ms:
+        return KernelChoice("sdpa", f"SDPA (cuDNN) measured faster here: {sdpa_ms} vs fxfuse {ours_ms} ms "
+                                    f"(plain causal layer, 32k tokens, head_dim {head_dim}; {where})")
+    return KernelChoice("fxfuse", f"fxfuse measured faster here: {ours_ms} vs SDPA {sdpa_ms} ms ({where})")
