@@ -16,6 +16,8 @@ Impls (a row is skipped, with the reason, where an impl does not apply to a layo
   fxfuse              torch.ops.fxfuse.softcap_attention(q, k, v, None, scale, 0.0, True, 0, 0, doc_ranges, None),
                       doc_ranges = fxfuse.ops.document_ranges(doc_ids) for docs8 (built once,
                       timed apart: doc_ranges_ms), None for causal                                           both
+  fxfuse_dispatch     the public fxfuse.ops.softcap_attention (kernel="auto"): the kernel fxfuse picks for the
+                      recipe (fxfuse.attention.dispatch; the row's "kernel" says which and why)            both
   fxfuse_mask         the op given a bool [1, 1, S, S] mask tensor, causal=False (the old path)   docs8, S <= --mask-max
   sdpa_cudnn_perdoc   cuDNN SDPA is_causal on the 8 documents as a batch of 8 (views of q, k, v; the floor
                       for 8 equal documents, what a varlen kernel can at best do)                            docs8
@@ -60,7 +62,8 @@ sys.path.insert(0, ROOT)  # fxfuse from the source tree
 Hq, Hkv, D = 32, 8, 128
 N_DOCS = 8
 LAYOUTS = ("causal", "docs8")
-IMPLS = ("sdpa_cudnn", "sdpa_flash", "flex", "fxfuse", "fxfuse_mask", "sdpa_cudnn_perdoc", "varlen")
+IMPLS = ("sdpa_cudnn", "sdpa_flash", "flex", "fxfuse", "fxfuse_dispatch", "fxfuse_mask", "sdpa_cudnn_perdoc",
+         "varlen")
 ROW_TAG = "@@ROW "
 
 
@@ -243,6 +246,17 @@ def build_impl(impl, layout, S, dev, q, k, v, doc_ids, row, cpu_standin):
         row["doc_ranges_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         row["doc_ranges"] = f"{str(doc_ranges.dtype).replace('torch.', '')} {list(doc_ranges.shape)}"
         return lambda q, k, v: op(q, k, v, None, scale, 0.0, True, 0, 0, doc_ranges, None)[0]
+
+    if impl == "fxfuse_dispatch":
+        sa = importlib.import_module("fxfuse.ops")
+        dispatch = importlib.import_module("fxfuse.attention.dispatch")
+        dr = sa.document_ranges(doc_ids) if layout == "docs8" else None
+        ok, why = dispatch.sdpa_expressible(softcap=0.0, causal=True, window=0, has_mask=False,
+                                            has_docs=dr is not None, has_key_valid=False, sinks=False,
+                                            head_dim_pads=(0, 0), same_length=True)
+        c = dispatch.choose_kernel("auto", q.device, q.dtype, D, ok, why)
+        row["kernel"], row["kernel_reason"] = c.kernel, c.reason
+        return lambda q, k, v: sa.softcap_attention(q, k, v, scaling=scale, causal=True, doc_ranges=dr)
 
     if impl == "varlen":
         import inspect
