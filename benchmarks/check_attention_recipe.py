@@ -57,7 +57,7 @@ def accuracy(name, B, Hq, Hkv, S, D, bounds, kv_valid, softcap=0.0, window=0, ma
         keep = keep & kv_valid[:, None, :]
     mr = {"zero": 0, "uniform": 1, "nan": 2}[masked_rows]
     scale = D ** -0.5
-    out = softcap_attention(q, k, v, scaling=scale, softcap=softcap, causal=True, window=window,
+    out = softcap_attention(q, k, v, scaling=scale, softcap=softcap, causal=True, window=window, kernel="fxfuse",
                             doc_ranges=document_ranges(ids), key_valid=kv_valid, masked_rows=masked_rows)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref = attention_reference(q, k, v, mask=keep[:, None], scaling=scale, softcap=softcap, causal=True,
@@ -103,12 +103,17 @@ def mask_past_2_31():
     out_m.float().sum().backward()
     torch.cuda.synchronize()
     t_mask = time.perf_counter() - t0
-    d = [float((a.float() - b.float()).abs().max()) for a, b in zip([out_r, *gr], [out_m, q.grad, k.grad, v.grad])]
+    pairs = list(zip([out_r, *gr], [out_m, q.grad, k.grad, v.grad]))
+    d = [float((a.float() - b.float()).abs().max()) for a, b in pairs]
+    mag = [float(b.float().abs().max()) for _, b in pairs]
+    # the two paths sum in different orders: allow one bf16 ulp at the tensor's largest magnitude (2^-7 of it;
+    # dk of out.sum() at 32k reaches ~10, where one ulp is 0.0625), and 1e-2 absolute below that
     # rows past 2^31 in the mask: batch row 2 starts at 2 * 32768^2 = 2^31
     emit(check="mask_past_2^31", mask_shape=list(mask.shape), mask_elements=mask.numel(),
          recipe_vs_mask_tensor_out_dq_dk_dv=[f"{e:.2e}" for e in d], recipe_s=round(t_recipe, 2),
+         max_abs_out_dq_dk_dv=[f"{m:.3g}" for m in mag],
          mask_tensor_s=round(t_mask, 2), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-         ok=max(d) < 5e-2)
+         ok=all(e <= max(2**-7 * m, 1e-2) for e, m in zip(d, mag)))
 
 
 def main():
