@@ -190,6 +190,7 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
         (1, 2, 2, 19, 19, 80, 20.0, True, 5, "additive", torch.float32),
         (1, 2, 1, 30, 21, 64, 50.0, True, 4, None, torch.float32),
         (2, 4, 2, 33, 33, 64, 50.0, True, 0, "additive", torch.bfloat16),
+        (1, 4, 2, 48, 48, 32, 0.0, True, 0, None, torch.float32),  # S a multiple of the tiles: no tail loop
     ]
     for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases:
         q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
