@@ -236,50 +236,84 @@ def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[A
                 body = getattr(m, n.args[0].target, None)
                 if isinstance(body, fx.GraphModule):
                     callers.setdefault(body, n)
-    with preserved_autocast_state(), torch.set_grad_enabled(torch.is_grad_enabled()), _quiet_fake_tensor_log():
-        for m in mods:
-            runner = _NodeRunner(m, fake_mode)
-            changed = set()
-            body_ph = iter([])
-            if m in callers:  # a subgraph body: placeholders without a value take the caller's operands'
-                body_ph = iter(callers[m].args[1:])
-            for n in m.graph.nodes:
-                if n.op == "output":
-                    continue
-                cur = _value(n)
-                if n.op == "placeholder":
-                    operand = next(body_ph, None)
-                    if cur is None and isinstance(operand, fx.Node):
-                        cur = _value(operand)
-                        n.meta["val"] = cur
-                    if cur is None and n.op == "placeholder":
-                        cur = n.meta.get("val")
-                    runner.env[n] = cur
-                    continue
-                need = (cur is None or (before is not None and before.dirty(m, n))
-                        or any(a in changed for a in n.all_input_nodes))
-                if not need and not _is_context_node(n):
-                    if n.meta.get("val", None) is None:
-                        n.meta["val"] = cur
-                    runner.env[n] = cur
-                    continue
-                _PROPAGATING[0] = n
-                try:
+    done = set()
+
+    def propagate_module(m):
+        done.add(m)
+        runner = _NodeRunner(m, fake_mode)
+        changed = set()
+        body_ph = iter([])
+        if m in callers:  # a subgraph body: placeholders without a value take the caller's operands'
+            body_ph = iter(callers[m].args[1:])
+        for n in m.graph.nodes:
+            if n.op == "output":
+                continue
+            cur = _value(n)
+            if n.op == "placeholder":
+                operand = next(body_ph, None)
+                if cur is None and isinstance(operand, fx.Node):
+                    cur = _value(operand)
+                    n.meta["val"] = cur
+                if cur is None and n.op == "placeholder":
+                    cur = n.meta.get("val")
+                runner.env[n] = cur
+                continue
+            need = (cur is None or (before is not None and before.dirty(m, n))
+                    or any(a in changed for a in n.all_input_nodes))
+            if not need and not _is_context_node(n):
+                if n.meta.get("val", None) is None:
+                    n.meta["val"] = cur
+                runner.env[n] = cur
+                continue
+            _PROPAGATING[0] = n
+            try:
+                body = _checkpoint_body(m, n)
+                if body is not None and body in callers and body not in done:
+                    # A checkpoint region: its value is its body's output. Running the higher-order op instead
+                    # re-traces the body at the example sizes, which (torch 2.11) adds guards such as Eq(s27, 23).
+                    propagate_module(body)
+                    val = fx.node.map_arg(_output_node(body).args[0], _value)
+                else:
                     with fake_mode:
                         val = runner.run_node(n)
-                except Exception as e:
-                    raise PropagationError(n, e) from e
-                finally:
-                    _PROPAGATING[0] = None
-                runner.env[n] = val
-                if _is_context_node(n):
-                    continue
-                if n.op == "get_attr" and not isinstance(val, torch.Tensor):
-                    continue  # a subgraph body (Dynamo records no value for it): nothing to propagate
-                new = fx.node.map_aggregate(val, lambda x: x)  # tuples stay tuples
-                n.meta["val"] = new
-                if cur is None or not _same_meta(cur, new):
-                    changed.add(n)
+            except Exception as e:
+                raise PropagationError(n, e) from e
+            finally:
+                _PROPAGATING[0] = None
+            runner.env[n] = val
+            if _is_context_node(n):
+                continue
+            if n.op == "get_attr" and not isinstance(val, torch.Tensor):
+                continue  # a subgraph body (Dynamo records no value for it): nothing to propagate
+            new = fx.node.map_aggregate(val, lambda x: x)  # tuples stay tuples
+            n.meta["val"] = new
+            if cur is None or not _same_meta(cur, new):
+                changed.add(n)
+
+    with preserved_autocast_state(), torch.set_grad_enabled(torch.is_grad_enabled()), _quiet_fake_tensor_log():
+        for m in mods:
+            if m not in done:
+                propagate_module(m)
+
+
+# Higher-order ops that return exactly what their body (args[0], a get_attr of a GraphModule) returns.
+_BODY_OUTPUT_HOPS = ("tag_activation_checkpoint", "wrap")
+
+
+def _checkpoint_body(m: fx.GraphModule, n: fx.Node) -> Optional[fx.GraphModule]:
+    """The body of ``n`` if ``n`` calls a higher-order op whose value is its body's output, else None."""
+    name = getattr(n.target, "_name", None) or getattr(n.target, "__name__", "")
+    if n.op != "call_function" or name not in _BODY_OUTPUT_HOPS or not n.args:
+        return None
+    a = n.args[0]
+    if not (isinstance(a, fx.Node) and a.op == "get_attr"):
+        return None
+    body = getattr(m, a.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
+
+
+def _output_node(m: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(m.graph.nodes) if n.op == "output")
 
 
 def values_fake_mode(gm: fx.GraphModule):
