@@ -147,7 +147,7 @@ def _kernel_choice(site: AttentionSite, recipe, mode: str):
             head_dim_pads=tuple(site.pads), same_length=known_true(qv.shape[2] == skv))
     head_dim = qv.shape[-1]
     return choose_kernel(mode, qv.device, site.cast_to or qv.dtype, head_dim if isinstance(head_dim, int) else -1,
-                         ok, why)
+                         ok, why, causal=recipe is not None)
 
 
 @register_pass(name=NAME,

@@ -44,6 +44,8 @@ def test_auto_takes_the_measured_faster_kernel_and_says_why(monkeypatch):
     assert choose_kernel("auto", CUDA, bf16, 96, True, "", capability=(9, 0)).kernel == "fxfuse"
     assert choose_kernel("auto", CUDA, torch.float32, 128, True, "", capability=(9, 0)).kernel == "fxfuse"
     assert choose_kernel("auto", torch.device("cpu"), bf16, 128, True, "").kernel == "fxfuse"
+    c = choose_kernel("auto", CUDA, bf16, 128, True, "", capability=(9, 0), causal=False)  # only causal measured
+    assert c.kernel == "fxfuse" and "causal" in c.reason
     c = choose_kernel("auto", CUDA, bf16, 128, False, "tanh softcap (SDPA has none)", capability=(9, 0))
     assert c.kernel == "fxfuse" and "softcap" in c.reason
     # overrides: fxfuse always; sdpa wherever SDPA can express the site (any device or dtype)

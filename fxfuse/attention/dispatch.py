@@ -69,9 +69,10 @@ def _cudnn_sdpa_usable() -> bool:
 
 
 def choose_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int, expressible: bool, why_not: str,
-                  capability: Optional[Tuple[int, int]] = None) -> KernelChoice:
+                  capability: Optional[Tuple[int, int]] = None, causal: bool = True) -> KernelChoice:
     """The kernel for a site. ``mode``: "auto" (the measured faster one), "fxfuse", "sdpa" (where expressible).
-    ``capability`` defaults to the device's (tests pass one)."""
+    ``capability`` defaults to the device's (tests pass one). :data:`MEASURED` holds causal layers: "auto" keeps
+    fxfuse's kernel for a site without a causal mask (unmeasured)."""
     if mode not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {mode!r}")
     if mode == "fxfuse":
@@ -84,6 +85,8 @@ def choose_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim:
         return KernelChoice("fxfuse", f"{device.type} device: fxfuse's blockwise path")
     if dtype not in (torch.bfloat16, torch.float16):
         return KernelChoice("fxfuse", f"{dtype}: measured only in bf16 / fp16 (SDPA's fused kernels)")
+    if not causal:
+        return KernelChoice("fxfuse", "no causal mask: measured only for causal layers")
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
     m = MEASURED.get((tuple(capability), int(head_dim)))

@@ -250,7 +250,8 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor]
             softcap=softcap, causal=causal, window=window, has_mask=mask is not None, has_docs=doc_ranges is not None,
             has_key_valid=key_valid is not None, sinks=False, head_dim_pads=(0, 0),
             same_length=known_true(q.shape[2] == k.shape[2]))
-        if dispatch.choose_kernel(kernel, q.device, q.dtype, q.shape[-1], ok, why).kernel == "sdpa":
+        if dispatch.choose_kernel(kernel, q.device, q.dtype, q.shape[-1], ok, why,
+                                  causal=causal).kernel == "sdpa":
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, None, 0.0, causal, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     out, _ = torch.ops.fxfuse.softcap_attention(q, k, v, mask, scaling, softcap, causal, window,
