@@ -268,10 +268,11 @@ def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[A
             _PROPAGATING[0] = n
             try:
                 body = _checkpoint_body(m, n)
-                if body is not None and body in callers and body not in done:
+                if body is not None and body in callers:
                     # A checkpoint region: its value is its body's output. Running the higher-order op instead
                     # re-traces the body at the example sizes, which (torch 2.11) adds guards such as Eq(s27, 23).
-                    propagate_module(body)
+                    if body not in done:
+                        propagate_module(body)
                     val = fx.node.map_arg(_output_node(body).args[0], _value)
                 else:
                     with fake_mode:
