@@ -192,22 +192,20 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
         (2, 4, 2, 33, 33, 64, 50.0, True, 0, "additive", torch.bfloat16),
         (1, 4, 2, 48, 48, 32, 0.0, True, 0, None, torch.float32),  # S a multiple of the tiles: no tail loop
     ]
-    for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases:
-        q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
-        try:
-            T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
-            res.append([str(dt), S, Dh, "ok"])
-        except AssertionError as e:
-            res.append([str(dt), S, Dh, "FAIL " + str(e)[:300]])
+
+    def run(tag, some):
+        for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in some:
+            q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
+            try:
+                T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
+                res.append([tag, str(dt), S, Dh, "ok"])
+            except AssertionError as e:
+                res.append([tag, str(dt), S, Dh, "FAIL " + str(e)[:300]])
+
+    run("kernels", cases)
     # dK and dV in two launches (the head_dim-256 GPU config) instead of one
     launching.INTERPRET_CONFIG["dkdv"] = (16, 16, 4, 1, 1)
-    for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases[1:3]:
-        q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
-        try:
-            T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
-            res.append(["split", str(dt), S, Dh, "ok"])
-        except AssertionError as e:
-            res.append(["split", str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    run("split", cases[1:3])
     # the dK/dV kernel reads q / dO tiles through TMA descriptors where the copy engine can address them
     # (these cases) and through clamped pointer tiles otherwise (a head dim whose rows are not 16-byte aligned):
     # run the pointer path on the ragged / windowed / padded-head-dim cases too
@@ -217,13 +215,7 @@ _INTERP_SCRIPT = textwrap.dedent(r"""
     res.append(["descriptor-used", "ok" if tile_descriptor(q0, [1, 1, 16, 64]) is not None else "FAIL"])
     res.append(["descriptor-refused", "ok" if tile_descriptor(q0[..., 1:], [1, 1, 16, 64]) is None else "FAIL"])
     BW.tile_descriptor = lambda t, block_shape: None
-    for B, Hq, Hkv, S, Skv, Dh, cap, causal, win, mk, dt in cases[:2] + cases[5:7]:
-        q, k, v, do, mask = T.make_case(B, Hq, Hkv, S, Dh, dt, mk, Skv=Skv, dead_rows=(2,))
-        try:
-            T.check(q, k, v, do, mask, softcap=cap, causal=causal, window=win)
-            res.append(["pointer-tiles", str(dt), S, Dh, "ok"])
-        except AssertionError as e:
-            res.append(["pointer-tiles", str(dt), S, Dh, "FAIL " + str(e)[:300]])
+    run("pointer-tiles", cases[:2] + cases[5:7])
     BW.tile_descriptor = tile_descriptor
     # mask tensors alone (what the pass hands over): block ranges from the mask's tile classes
     for B, Hq, Hkv, S, Dh, kind, win, pl, pr, dt in [

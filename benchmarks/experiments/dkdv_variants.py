@@ -43,6 +43,19 @@ def _step(dk, dv, k, v, q, do, lse2, Di, offs_n, offs_m, out_mul, MASK: tl.const
     return dk, dv
 
 
+@triton.jit
+def _head_block(dk, dv, k, v, Q, DO, LSE, DELTA, dq_desc, ddo_desc, h, m0, S, offs_m0, offs_n, offs_d,
+                stride_qh, stride_qm, stride_doh, stride_dom, out_mul, MASK: tl.constexpr, DESC: tl.constexpr,
+                BM: tl.constexpr, D: tl.constexpr):
+    # one query block of q head h against this program's key block
+    offs_m = m0 + offs_m0
+    q = _load_rows(dq_desc, Q + h * stride_qh, 0, h, m0, offs_m0, offs_d, stride_qm, DESC, BM, D)
+    do = _load_rows(ddo_desc, DO + h * stride_doh, 0, h, m0, offs_m0, offs_d, stride_dom, DESC, BM, D)
+    lse2 = tl.load(LSE + h * S + offs_m) * 1.4426950408889634
+    Di = tl.load(DELTA + h * S + offs_m)
+    return _step(dk, dv, k, v, q, do, lse2, Di, offs_n, offs_m, out_mul, MASK)
+
+
 @triton.jit(do_not_specialize=['S'])
 def _dkdv_exp(Q, K, V, DO, LSE, DELTA, DK, DV, dq_desc, dk_desc, dv_desc, ddo_desc,
               stride_qh, stride_qm, stride_kh, stride_kn, stride_doh, stride_dom,
@@ -68,33 +81,22 @@ def _dkdv_exp(Q, K, V, DO, LSE, DELTA, DK, DV, dq_desc, dk_desc, dv_desc, ddo_de
     for g in range(G):  # the diagonal (masked) blocks of each head
         h = hk * G + g
         for m0 in range(lo, full_lo, BM):
-            offs_m = m0 + offs_m0
-            q = _load_rows(dq_desc, Q + h * stride_qh, 0, h, m0, offs_m0, offs_d, stride_qm, DESC, BM, D)
-            do = _load_rows(ddo_desc, DO + h * stride_doh, 0, h, m0, offs_m0, offs_d, stride_dom, DESC, BM, D)
-            lse2 = tl.load(LSE + h * S + offs_m) * 1.4426950408889634
-            Di = tl.load(DELTA + h * S + offs_m)
-            dk, dv = _step(dk, dv, k, v, q, do, lse2, Di, offs_n, offs_m, out_mul, True)
+            dk, dv = _head_block(dk, dv, k, v, Q, DO, LSE, DELTA, dq_desc, ddo_desc, h, m0, S, offs_m0, offs_n,
+                                 offs_d, stride_qh, stride_qm, stride_doh, stride_dom, out_mul, True, DESC, BM, D)
     if FLAT:
         for it in range(G * n_full):
             g = it // n_full
             h = hk * G + g
             m0 = full_lo + (it - g * n_full) * BM
-            offs_m = m0 + offs_m0
-            q = _load_rows(dq_desc, Q + h * stride_qh, 0, h, m0, offs_m0, offs_d, stride_qm, DESC, BM, D)
-            do = _load_rows(ddo_desc, DO + h * stride_doh, 0, h, m0, offs_m0, offs_d, stride_dom, DESC, BM, D)
-            lse2 = tl.load(LSE + h * S + offs_m) * 1.4426950408889634
-            Di = tl.load(DELTA + h * S + offs_m)
-            dk, dv = _step(dk, dv, k, v, q, do, lse2, Di, offs_n, offs_m, out_mul, False)
+            dk, dv = _head_block(dk, dv, k, v, Q, DO, LSE, DELTA, dq_desc, ddo_desc, h, m0, S, offs_m0, offs_n,
+                                 offs_d, stride_qh, stride_qm, stride_doh, stride_dom, out_mul, False, DESC, BM, D)
     else:
         for g in range(G):
             h = hk * G + g
             for m0 in range(full_lo, S, BM):
-                offs_m = m0 + offs_m0
-                q = _load_rows(dq_desc, Q + h * stride_qh, 0, h, m0, offs_m0, offs_d, stride_qm, DESC, BM, D)
-                do = _load_rows(ddo_desc, DO + h * stride_doh, 0, h, m0, offs_m0, offs_d, stride_dom, DESC, BM, D)
-                lse2 = tl.load(LSE + h * S + offs_m) * 1.4426950408889634
-                Di = tl.load(DELTA + h * S + offs_m)
-                dk, dv = _step(dk, dv, k, v, q, do, lse2, Di, offs_n, offs_m, out_mul, False)
+                dk, dv = _head_block(dk, dv, k, v, Q, DO, LSE, DELTA, dq_desc, ddo_desc, h, m0, S, offs_m0, offs_n,
+                                     offs_d, stride_qh, stride_qm, stride_doh, stride_dom, out_mul, False, DESC, BM,
+                                     D)
     tl.store(DK + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], (dk * scaling).to(DK.dtype.element_ty))
     tl.store(DV + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], dv.to(DV.dtype.element_ty))
 
