@@ -5,6 +5,7 @@ Sections (``--sections``, comma list):
   breakdown  each impl once under torch.profiler: device ms per kernel name, fwd and bwd apart
   sweep      fxfuse tile configs per kernel (``--sweep-json``: {"fwd": [[BM, BN, warps, stages], ...], ...}),
              the other kernels at their defaults; ms of the pass that holds the kernel
+``--switches '{"SHORTEST_FIRST": true}'`` sets :mod:`fxfuse.attention.launching` switches for the whole run.
   probe      which SDPA backends run the case (GQA, head dim), and what plain SDPA picks by default
 
 Run (device): PYTHONPATH=. python3 benchmarks/profile_attention_kernels.py --S 32768 --dims 64,128
@@ -221,12 +222,19 @@ def main():
     p.add_argument("--sections", default="breakdown")
     p.add_argument("--anchors", type=int, default=1)
     p.add_argument("--sweep-json", default="")
+    p.add_argument("--switches", default="", help='launching switches to set first, e.g. {"SHORTEST_FIRST": true}')
     args = p.parse_args()
+    if args.switches:
+        from fxfuse.attention import launching
+        for name, value in json.loads(args.switches).items():
+            if not hasattr(launching, name):
+                raise SystemExit(f"fxfuse.attention.launching has no switch {name!r}")
+            setattr(launching, name, value)
     args.dims = [int(x) for x in args.dims.split(",")]
     args.layouts = args.layouts.split(",")
     import triton
     emit(part="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
-         commit=os.environ.get("COMMIT", "?"))
+         commit=os.environ.get("COMMIT", "?"), switches=args.switches or None, sections=args.sections)
     for sec in args.sections.split(","):
         {"breakdown": sec_breakdown, "sweep": sec_sweep, "probe": sec_probe}[sec](args)
 

@@ -6,6 +6,9 @@ Variants (constexprs of ``_dkdv_exp``):
   DESC  q / dO (and k / v) through TMA tensor descriptors instead of pointer tiles
   FLAT  the G query heads' fully kept blocks walked as one loop of G * n steps (one software pipeline per
         program instead of one per head)
+  LONGEST_FIRST  program 0 takes key block 0 (the most query blocks under causal) instead of the last one
+Env: S (tokens), VARIANTS ("desc,flat,longest" triples separated by ';', default all desc x flat, shortest first),
+CONFIGS_128 / CONFIGS_64 (JSON lists of [BM, BN, warps, stages]).
 Run: PYTHONPATH=. python3 benchmarks/experiments/dkdv_variants.py   (rows to $OUT/dkdv_variants.jsonl)
 """
 import json
@@ -60,8 +63,12 @@ def _head_block(dk, dv, k, v, Q, DO, LSE, DELTA, dq_desc, ddo_desc, h, m0, S, of
 def _dkdv_exp(Q, K, V, DO, LSE, DELTA, DK, DV, dq_desc, dk_desc, dv_desc, ddo_desc,
               stride_qh, stride_qm, stride_kh, stride_kn, stride_doh, stride_dom,
               H, HKV, G, S, out_mul, scaling,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, FLAT: tl.constexpr):
-    pid_n = tl.num_programs(1) - 1 - tl.program_id(1)  # longest first (causal: the first key blocks)
+              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr, FLAT: tl.constexpr,
+              LONGEST_FIRST: tl.constexpr):
+    if LONGEST_FIRST:  # causal: key block 0 meets every query block
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.num_programs(1) - 1 - tl.program_id(1)
     hk = tl.program_id(0)
     start_n = pid_n * BN
     offs_n = start_n + tl.arange(0, BN)
@@ -101,7 +108,7 @@ def _dkdv_exp(Q, K, V, DO, LSE, DELTA, DK, DV, dq_desc, dk_desc, dv_desc, ddo_de
     tl.store(DV + hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], dv.to(DV.dtype.element_ty))
 
 
-def run_variant(q, k, v, do, lse, delta, BM, BN, warps, stages, desc, flat):
+def run_variant(q, k, v, do, lse, delta, BM, BN, warps, stages, desc, flat, longest=False):
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -110,7 +117,7 @@ def run_variant(q, k, v, do, lse, delta, BM, BN, warps, stages, desc, flat):
         q, k, v, do, lse, delta, dk, dv, mk(q, BM), mk(k, BN), mk(v, BN), mk(do, BM),
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), do.stride(1), do.stride(2),
         Hq, Hkv, Hq // Hkv, S, D ** -0.5 * 1.4426950408889634, D ** -0.5,
-        D=D, BM=BM, BN=BN, DESC=desc, FLAT=flat, num_warps=warps, num_stages=stages)
+        D=D, BM=BM, BN=BN, DESC=desc, FLAT=flat, LONGEST_FIRST=longest, num_warps=warps, num_stages=stages)
     return dk, dv, kern
 
 
@@ -129,14 +136,18 @@ def main():
         cfgs = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
         if D == 64:
             cfgs = [(32, 128, 4, 2), (64, 128, 8, 2), (64, 128, 4, 3), (32, 128, 4, 4), (64, 64, 4, 3)]
+        cfgs = [tuple(c) for c in json.loads(os.environ.get(f"CONFIGS_{D}", "null") or "null")] or cfgs
+        variants = [(d, f, False) for d in (False, True) for f in (False, True)]
+        if os.environ.get("VARIANTS"):
+            variants = [tuple(bool(int(x)) for x in t.split(",")) for t in os.environ["VARIANTS"].split(";")]
         for cfg in cfgs:
-            for desc, flat in ((False, False), (True, False), (False, True), (True, True)):
-                row = dict(D=D, S=S, config=cfg, desc=desc, flat=flat)
+            for desc, flat, longest in variants:
+                row = dict(D=D, S=S, config=cfg, desc=desc, flat=flat, longest_first=longest)
                 try:
-                    dk, dv, kern = run_variant(q, k, v, do, lse, delta, *cfg, desc, flat)
+                    dk, dv, kern = run_variant(q, k, v, do, lse, delta, *cfg, desc, flat, longest)
                     row["err_dk"] = float((dk.float() - ref[1].float()).abs().max())
                     row["err_dv"] = float((dv.float() - ref[2].float()).abs().max())
-                    ms = triton.testing.do_bench(lambda: run_variant(q, k, v, do, lse, delta, *cfg, desc, flat),
+                    ms = triton.testing.do_bench(lambda: run_variant(q, k, v, do, lse, delta, *cfg, desc, flat, longest),
                                                  warmup=10, rep=150, return_mode="median")
                     row.update(ms=round(ms, 3), tflops=round(2 * 4 * S * S * D * Hq / 2 / ms / 1e9),
                                regs=kern.n_regs, spills=kern.n_spills, smem=kern.metadata.shared)

@@ -461,7 +461,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     docs, sdb, sde, kvv, skb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
     key = (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv)
     common["MASK_RANGES"] = ranges
-    common["BLOCK_MAJOR"] = launching.BLOCK_MAJOR_GRID
+    common["BLOCK_MAJOR"] = launching.grid_order()
     common.update(HAS_DOCS=has_docs, HAS_KVV=has_kvv,
                   INT64=needs_int64(q, k, v, do, dq, dk, dv, expand_mask(mask, B, Hq, S, Skv)))
 

@@ -54,8 +54,11 @@ if HAVE_TRITON:
                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
                                   HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             m_new = tl.maximum(m_i, tl.max(s2, 1))
-            # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if BOUNDARY or MASK_KIND != 0 or HAS_KVV:
+                # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:  # an interior tile keeps every score: m_new is finite
+                m_use = m_new
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s2 - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -163,7 +166,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
             MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
             DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
-            BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
+            BLOCK_MAJOR=launching.grid_order(), MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
             INT64=int64, num_warps=nw, num_stages=ns)
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
