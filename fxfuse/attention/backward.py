@@ -21,8 +21,8 @@ import torch
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import launching
-from .block_map import (kv_block_query_ranges, load_ranges, mask_block_ranges_of, q_block_key_ranges_of,
-                        use_mask_ranges)
+from .block_map import (key_block_outside_span, kv_block_query_ranges, load_ranges, mask_block_ranges_of,
+                        q_block_key_ranges_of, use_mask_ranges)
 from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         recipe_args, score_scalars, softcap_mode)
@@ -111,24 +111,29 @@ if HAVE_TRITON:
         return dk, dv
 
     @triton.jit
-    def _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF, window, DEN,
+    def _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF, window, DEN, KVS,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                           HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, MASK_RANGES: tl.constexpr):
+                           HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, MASK_RANGES: tl.constexpr,
+                           HAS_KVV: tl.constexpr):
         """(lo, b, c, hi) query ranges of this key block for q head h: from the (transposed) mask tensor's tile
-        classes (MASK_RANGES) or from the index masks."""
+        classes (MASK_RANGES) or from the index masks; empty for a block of padding keys (HAS_KVV)."""
         if MASK_RANGES:
-            return load_ranges(RNG + b * stride_rb + h * stride_rh + pid_n * 4, BLOCK_M)
+            lo, b_, c_, hi = load_ranges(RNG + b * stride_rb + h * stride_rh + pid_n * 4, BLOCK_M)
         else:
-            return kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-                                         HAS_DOCS)
+            lo, b_, c_, hi = kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                   HAS_WINDOW, HAS_DOCS)
+        if HAS_KVV:  # a block of padding keys: nothing to visit (dK = dV = 0)
+            pad = key_block_outside_span(start_n, KVS, BLOCK_N)
+            b_, c_, hi = tl.where(pad, lo, b_), tl.where(pad, lo, c_), tl.where(pad, lo, hi)
+        return lo, b_, c_, hi
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DKDV)
-    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC,
+    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC,
                        stride_qb, stride_qh, stride_qm, stride_qd,
                        stride_kb, stride_kh, stride_kn, stride_kd,
                        stride_vb, stride_vh, stride_vn, stride_vd,
                        stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
-                  stride_docb, stride_doce, stride_kvvb,
+                       stride_docb, stride_doce, stride_kvvb, stride_spanb,
                        stride_dob, stride_doh, stride_dom, stride_dod,
                        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -177,8 +182,8 @@ if HAVE_TRITON:
         for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
             h = hk * G + g
             lo, b_, c_, hi = _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF,
-                                                window, DEN, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, HAS_DOCS,
-                                                MASK_RANGES)
+                                                window, DEN, KVSPAN + b * stride_spanb, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                HAS_WINDOW, HAS_DOCS, MASK_RANGES, HAS_KVV)
             Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
             DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
             M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
@@ -240,12 +245,12 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DQ)
-    def _attn_bwd_dq(Q, K, V, M, RNG, DOCS, KVVEC, DO, LSE, DELTA, DQ,
+    def _attn_bwd_dq(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DQ,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
-                  stride_docb, stride_doce, stride_kvvb,
+                     stride_docb, stride_doce, stride_kvvb, stride_spanb,
                      stride_dob, stride_doh, stride_dom, stride_dod,
                      stride_dqb, stride_dqh, stride_dqm, stride_dqd,
                      H, G, S, SKV, OFF, window, sc_mul, out_mul, scaling,
@@ -283,8 +288,8 @@ if HAVE_TRITON:
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
-                                               OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES,
-                                               HAS_DOCS)
+                                               OFF, window, DST, KVSPAN + b * stride_spanb, BLOCK_M, BLOCK_N,
+                                               IS_CAUSAL, HAS_WINDOW, MASK_RANGES, HAS_DOCS, HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
@@ -458,7 +463,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                   IS_CAUSAL=bool(causal),
                   HAS_WINDOW=bool(window), DOT_FP32=dot32)
     ranges = use_mask_ranges(kind, causal, window)
-    docs, sdb, sde, kvv, skb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
+    docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
     key = (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv)
     common["MASK_RANGES"] = ranges
     common["BLOCK_MAJOR"] = launching.grid_order()
@@ -477,9 +482,9 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         use_desc = q_desc is not None and do_desc is not None
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv[grid(triton.cdiv(Skv, BN), B * Hkv)](
-                q, k, v, mt, rng, docs, kvv, do, lse, delta, dk, dv, q_desc if use_desc else None,
+                q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dk, dv, q_desc if use_desc else None,
                 do_desc if use_desc else None, *q.stride(), *k.stride(), *v.stride(), *ms,
-                *rs, sdb, sde, skb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
+                *rs, sdb, sde, skb, ssb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
                 out_mul, float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
                 DO_DV=do_dv, USE_DESC=use_desc, **common)
 
@@ -487,8 +492,8 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_bwd_dq[grid(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, rng, docs, kvv, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb,
-            sde, skb, *do.stride(),
+            q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs,
+            sdb, sde, skb, ssb, *do.stride(),
             *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling),
             BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, **common)
 

@@ -16,6 +16,9 @@ the masks are evaluated only outside [b, c). The ranges come
   only [lo, hi) and read the mask only outside [b, c), so a causal mask tensor costs what ``causal=True`` costs.
   Any mask stays correct: a block the ranges cannot prove FULL or EMPTY is computed with the mask.
   :func:`mask_block_ranges_of` launches the two; :func:`load_ranges` reads a row block's ranges in-kernel.
+
+Key padding (``key_valid``) narrows either to each batch row's valid-key span (first valid key, last + 1;
+:func:`.launching.key_span`): padding blocks at a row's ends are never visited.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from fxfuse.kernels.triton_support import HAVE_TRITON, tl, triton
 from .scores import MASKED_BELOW_C
 
 __all__ = ["MASK_BLOCK_RANGES", "use_mask_ranges", "mask_block_ranges_of", "load_ranges", "q_block_key_ranges_of",
-           "kv_block_query_ranges"]
+           "kv_block_query_ranges", "key_block_outside_span"]
 
 # The classifier's arguments that change with the sequence length are not specialised (see launching.MASK_LENGTHS).
 _LENGTHS_MASK_TILE_CLASSES = ['stride_mb', 'stride_mh', 'stride_r', 'stride_c', 'R', 'C', 'NR', 'NC']
@@ -130,16 +133,30 @@ if HAVE_TRITON:
         return lo, b, c, hi
 
     @triton.jit
-    def q_block_key_ranges_of(RNG_row, start_m, S, SKV, OFF, window, DST, BLOCK_M: tl.constexpr,
+    def q_block_key_ranges_of(RNG_row, start_m, S, SKV, OFF, window, DST, KVS, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                              MASK_RANGES: tl.constexpr, HAS_DOCS: tl.constexpr):
+                              MASK_RANGES: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         """The forward's and dQ's key ranges (lo, b, c, hi): from the mask tensor's tile classes (MASK_RANGES,
-        ``RNG_row`` = this q block's row) or from the index masks."""
+        ``RNG_row`` = this q block's row) or from the index masks; with key padding (HAS_KVV) cut to the row's
+        valid-key span ``KVS`` = (first, end)."""
         if MASK_RANGES:
-            return load_ranges(RNG_row, BLOCK_N)
+            lo, b, c, hi = load_ranges(RNG_row, BLOCK_N)
         else:
-            return _q_block_key_ranges(start_m, S, SKV, OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
-                                       HAS_DOCS)
+            lo, b, c, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                               HAS_WINDOW, HAS_DOCS)
+        if HAS_KVV:
+            # keys outside [first, end) are padding: never visited (inside it, holes are masked tile by tile)
+            lo = tl.maximum(lo, (tl.load(KVS) // BLOCK_N) * BLOCK_N)
+            hi = tl.maximum(tl.minimum(hi, tl.load(KVS + 1)), lo)
+            b = tl.minimum(tl.maximum(b, lo), hi)
+            c = tl.minimum(tl.maximum(c, b), hi)
+        return lo, b, c, hi
+
+    @triton.jit
+    def key_block_outside_span(start_n, KVS, BLOCK_N: tl.constexpr):
+        """True where keys [start_n, start_n + BLOCK_N) all lie outside the row's valid-key span (pure padding):
+        no query attends them, their dK / dV are 0."""
+        return (start_n >= tl.load(KVS + 1)) | (start_n + BLOCK_N <= tl.load(KVS))
 
     @triton.jit
     def kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -170,7 +187,7 @@ if HAVE_TRITON:
         c = tl.minimum(tl.maximum(full_hi, b), hi)
         return lo, b, c, hi
 else:  # pragma: no cover
-    load_ranges = q_block_key_ranges_of = kv_block_query_ranges = None
+    load_ranges = q_block_key_ranges_of = kv_block_query_ranges = key_block_outside_span = None
 
 
 # Block ranges from a mask tensor (see the module docstring); False = read the mask in every block (benchmarks

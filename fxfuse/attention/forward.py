@@ -68,12 +68,12 @@ if HAVE_TRITON:
         return acc, l_i, m_i
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
-    def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, O, LSE, VMEAN,
+    def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, O, LSE, VMEAN,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
                   stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
-                  stride_docb, stride_doce, stride_kvvb,
+                  stride_docb, stride_doce, stride_kvvb, stride_spanb,
                   stride_ob, stride_oh, stride_om, stride_od,
                   H, G, S, SKV, OFF, window, sc_mul, out_mul,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,8 +111,8 @@ if HAVE_TRITON:
         # MASK_RANGES: the FULL middle [b_, c_) of the mask tensor's ranges needs no mask reads
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
-                                               OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW, MASK_RANGES,
-                                               HAS_DOCS)
+                                               OFF, window, DST, KVSPAN + b * stride_spanb, BLOCK_M, BLOCK_N,
+                                               IS_CAUSAL, HAS_WINDOW, MASK_RANGES, HAS_DOCS, HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
@@ -152,15 +152,15 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
 
     ranges = use_mask_ranges(kind, causal, window)
     vmean = value_mean(v, Hq // Hkv).contiguous() if masked_rows == MASKED_ROWS_UNIFORM else lse
-    docs, sdb, sde, kvv, skb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
+    docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
     int64 = needs_int64(q, k, v, out, expand_mask(mask, B, Hq, S, Skv))
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         _attn_fwd[grid(triton.cdiv(S, BM), B * Hq)](
-            q, k, v, mt, rng, docs, kvv, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb, sde,
-            skb, *out.stride(),
+            q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb,
+            sde, skb, ssb, *out.stride(),
             Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
             HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
             MASK_KIND=kind,

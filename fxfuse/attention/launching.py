@@ -23,7 +23,7 @@ from .conventions import LOG2E
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "FORCE_INT64", "needs_int64", "FAST_TANH", "softcap_mode",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "softcap_mode",
            "BLOCK_MAJOR_GRID", "SHORTEST_FIRST", "grid", "grid_order", "grid_ids", "score_scalars"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -91,7 +91,7 @@ def config_for(kind: str, block_d: int, dtype, override=None):
 # q / k / v / output strides stay specialised: with a head_dim that is a multiple of 16 their divisibility does not
 # depend on the length, and it is what proves the tile loads aligned.
 MASK_LENGTHS = ['stride_mb', 'stride_mh', 'stride_mm', 'stride_rb', 'stride_rh', 'stride_docb', 'stride_doce',
-                'stride_kvvb']
+                'stride_kvvb', 'stride_spanb']
 
 
 def mask_args(mask, B, Hq, S, Skv, like):
@@ -111,19 +111,33 @@ def mask_args(mask, B, Hq, S, Skv, like):
 
 
 def recipe_args(doc_ranges, key_valid, like):
-    """The recipe vectors as kernel arguments: (docs, stride_docb, stride_doce, kvv, stride_kvvb, HAS_DOCS,
-    HAS_KVV). ``doc_ranges`` int [2, B|1, S] (start, end of each token's document), ``key_valid`` bool [B|1, Skv];
-    a batch of 1 broadcasts (stride 0). O(B x S) each; absent ones are replaced by a dummy pointer."""
+    """The recipe vectors as kernel arguments: (docs, stride_docb, stride_doce, kvv, stride_kvvb, kv_span,
+    stride_spanb, HAS_DOCS, HAS_KVV). ``doc_ranges`` int [2, B|1, S] (start, end of each token's document),
+    ``key_valid`` bool [B|1, Skv]; a batch of 1 broadcasts (stride 0). O(B x S) each; absent ones are replaced by
+    a dummy pointer. ``kv_span`` int32 [B|1, 2]: each row's first valid key and last valid key + 1 ((Skv, 0) for
+    a row with none), so that the kernels skip the key blocks padding fills (right / left padding: a padded
+    row of length L costs L^2 / 2, not S^2 / 2); computed on the device, no host sync."""
     docs, sdb, sde, has_docs = like, 0, 0, False
     if doc_ranges is not None:
         docs = doc_ranges.to(torch.int32).contiguous()
         sdb = docs.stride(1) if docs.shape[1] > 1 else 0
         sde, has_docs = docs.stride(0), True
-    kvv, skb, has_kvv = like, 0, False
+    kvv, skb, span, ssb, has_kvv = like, 0, like, 0, False
     if key_valid is not None:
-        kvv = key_valid.to(torch.bool).contiguous().view(torch.uint8)
+        valid = key_valid.to(torch.bool).contiguous()
+        kvv = valid.view(torch.uint8)
         skb, has_kvv = (kvv.stride(0) if kvv.shape[0] > 1 else 0), True
-    return docs, sdb, sde, kvv, skb, has_docs, has_kvv
+        span, ssb = key_span(valid), (2 if kvv.shape[0] > 1 else 0)
+    return docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv
+
+
+def key_span(valid):
+    """int32 [B, 2]: (first True, last True + 1) of each row of a bool [B, Skv]; (Skv, 0) for a row of False."""
+    Skv = valid.shape[-1]
+    idx = torch.arange(Skv, device=valid.device, dtype=torch.int32)
+    first = torch.where(valid, idx, Skv).amin(-1)
+    end = torch.where(valid, idx + 1, 0).amax(-1)
+    return torch.stack([first, end], -1).to(torch.int32).contiguous()
 
 
 # Tests set this to run the 64-bit address path at small sizes.

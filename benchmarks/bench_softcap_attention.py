@@ -6,7 +6,7 @@ FlexAttention with a softcap score_mod and a block mask, SDPA without softcap) a
 Errors are against an fp32 eager reference (fp32 upcasts of the same inputs).
 
 Sections (argv, default all): check tune table.   Writes $OUT/attention.json; prints a table last.
-Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_attention.py check tune table
+Run: PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/bench_softcap_attention.py check tune table
 Env: BENCH_DEADLINE_S (default 330: later sections are skipped past it), BENCH_CONFIGS (JSON config override
 for fxfuse rows: {"fwd": [BM, BN, warps, stages], "dkdv": [...], "dq": [...]}), BENCH_TUNE (JSON: candidate
 lists per kernel), BENCH_CASES (comma list of case names), BENCH_CHECK_DTYPES (comma list, e.g. bfloat16).
