@@ -172,6 +172,12 @@ def softcap_mode(softcap, dtype) -> int:
 BLOCK_MAJOR_GRID = True
 # Experiment switch: dispatch the lightest blocks first instead (benchmarks measure whether the order matters).
 SHORTEST_FIRST = False
+# Experiment switches of the dK/dV kernel's boundary loops: q / dO through the copy engine (else clamped pointer
+# rows) and unpipelined (else software-pipelined like the interior loop).
+DKDV_TMA_BOUNDARY = True
+DKDV_PIPELINE_BOUNDARY = False
+# ... and their order: every head's boundary blocks, then every head's interior (else head by head)
+DKDV_LOOPS_BY_KIND = False
 
 
 def grid(n_blocks, n_bh):
