@@ -5,7 +5,7 @@ Sections (``--sections``, comma list):
   breakdown  each impl once under torch.profiler: device ms per kernel name, fwd and bwd apart
   sweep      fxfuse tile configs per kernel (``--sweep-json``: {"fwd": [[BM, BN, warps, stages], ...], ...}),
              the other kernels at their defaults; ms of the pass that holds the kernel
-``--switches '{"SHORTEST_FIRST": true}'`` sets :mod:`fxfuse.attention.launching` switches for the whole run.
+``--switches '{"FAST_TANH": false}'`` sets :mod:`fxfuse.attention.launching` switches for the whole run.
   probe      which SDPA backends run the case (GQA, head dim), and what plain SDPA picks by default
 
 Run (device): PYTHONPATH=. python3 benchmarks/profile_attention_kernels.py --S 32768 --dims 64,128
@@ -222,7 +222,7 @@ def main():
     p.add_argument("--sections", default="breakdown")
     p.add_argument("--anchors", type=int, default=1)
     p.add_argument("--sweep-json", default="")
-    p.add_argument("--switches", default="", help='launching switches to set first, e.g. {"SHORTEST_FIRST": true}')
+    p.add_argument("--switches", default="", help='launching switches to set first, e.g. {"FAST_TANH": false}')
     args = p.parse_args()
     if args.switches:
         from fxfuse.attention import launching

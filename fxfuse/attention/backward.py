@@ -67,7 +67,7 @@ if HAVE_TRITON:
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
                         DO_DV: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr, PIPE_BOUNDARY: tl.constexpr):
+                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr):
         # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]. This kernel holds two fp32
         # [BLOCK_N, Dh] accumulators: every register counts (spills cost it ~20% on the H200), so no q / dO load
         # here takes a bounds mask: interior blocks lie inside the sequence (block_map), boundary blocks go
@@ -75,7 +75,7 @@ if HAVE_TRITON:
         # Boundary blocks are few (the diagonal, a document's edge, the ragged end): their loops run unpipelined,
         # so that their buffers do not add to the interior loop's register pressure (sm_90, 3 stages: 424 -> 72
         # bytes of spills in the Dh-128 kernel).
-        for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if (BOUNDARY and not PIPE_BOUNDARY) else None):
+        for start_m in tl.range(lo, hi, BLOCK_M, num_stages=1 if BOUNDARY else None):
             offs_m = start_m + offs_m0
             # Rows past the sequence end (the last, partial block): the copy engine reads them as 0 (USE_DESC), or
             # they are read at the clamped index S - 1 (pointer tiles). Bounds-masked pointer loads would cost
@@ -128,47 +128,6 @@ if HAVE_TRITON:
             b_, c_, hi = tl.where(pad, lo, b_), tl.where(pad, lo, c_), tl.where(pad, lo, hi)
         return lo, b_, c_, hi
 
-    @triton.jit
-    def _dkdv_head_part(dk, dv, k, v, Q, DO, M, RNG, LSE, DELTA, Q_DESC, DO_DESC, KVSPAN, b, h, pid_n, start_n, offs_n,
-                        offs_m0, offs_d, stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh,
-                        stride_dom, stride_dod, stride_mb, stride_mh, stride_mm, stride_mn, stride_rb, stride_rh,
-                        stride_spanb, H, S, SKV, OFF, window, sc_mul, out_mul, DST, DEN, KVV,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                        MASK_KIND: tl.constexpr, MID_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr, DO_DV: tl.constexpr,
-                        HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr, USE_DESC: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PIPE_BOUNDARY: tl.constexpr, MASK_RANGES: tl.constexpr,
-                        PARTS: tl.constexpr):
-        """Query head h's share of this key block: PARTS bit 0 the leading boundary [lo, b), bit 1 the interior
-        [b, c), bit 2 the trailing boundary [c, hi)."""
-        lo, b_, c_, hi = _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF,
-                                            window, DEN, KVSPAN + b * stride_spanb, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                            HAS_WINDOW, HAS_DOCS, MASK_RANGES, HAS_KVV)
-        Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
-        DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
-        M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
-        LSE_h = LSE + (b * H + h) * S
-        DELTA_h = DELTA + (b * H + h) * S
-        if PARTS & 1:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
-                                     offs_n, offs_m0, offs_d, lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
-                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
-                                     IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, PIPE_BOUNDARY)
-        if PARTS & 2:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
-                                     offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
-                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
-                                     IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, PIPE_BOUNDARY)
-        if PARTS & 4:
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
-                                     offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
-                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
-                                     IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, PIPE_BOUNDARY)
-        return dk, dv
-
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DKDV)
     def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC,
                        stride_qb, stride_qh, stride_qm, stride_qd,
@@ -185,8 +144,7 @@ if HAVE_TRITON:
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
                        DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
                        BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                       INT64: tl.constexpr, USE_DESC: tl.constexpr, PIPE_BOUNDARY: tl.constexpr,
-                       LOOPS_BY_KIND: tl.constexpr):
+                       INT64: tl.constexpr, USE_DESC: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n, bhk = grid_ids(BLOCK_MAJOR, False)
@@ -222,42 +180,32 @@ if HAVE_TRITON:
         else:
             dv = tl.zeros([1, 1], tl.float32)
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
-        if LOOPS_BY_KIND:
-            # every head's boundary blocks, then every head's interior blocks, then the tails: the layout of the
-            # minimal experiment kernel
-            for g in range(G):
-                dk, dv = _dkdv_head_part(dk, dv, k, v, Q, DO, M, RNG, LSE, DELTA, Q_DESC, DO_DESC, KVSPAN, b, hk * G + g,
-                                         pid_n, start_n, offs_n, offs_m0, offs_d, stride_qb, stride_qh, stride_qm,
-                                         stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_mb,
-                                         stride_mh, stride_mm, stride_mn, stride_rb, stride_rh, stride_spanb, H, S,
-                                         SKV, OFF, window, sc_mul, out_mul, DST, DEN, KVV, BLOCK_M, BLOCK_N, D_MASK,
-                                         SOFTCAP, MASK_KIND, MID_MASK, IS_CAUSAL, HAS_WINDOW, DOT_FP32, DO_DK, DO_DV,
-                                         HAS_DOCS, HAS_KVV, USE_DESC, BLOCK_D, PIPE_BOUNDARY, MASK_RANGES, 1)
-            for g in range(G):
-                dk, dv = _dkdv_head_part(dk, dv, k, v, Q, DO, M, RNG, LSE, DELTA, Q_DESC, DO_DESC, KVSPAN, b, hk * G + g,
-                                         pid_n, start_n, offs_n, offs_m0, offs_d, stride_qb, stride_qh, stride_qm,
-                                         stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_mb,
-                                         stride_mh, stride_mm, stride_mn, stride_rb, stride_rh, stride_spanb, H, S,
-                                         SKV, OFF, window, sc_mul, out_mul, DST, DEN, KVV, BLOCK_M, BLOCK_N, D_MASK,
-                                         SOFTCAP, MASK_KIND, MID_MASK, IS_CAUSAL, HAS_WINDOW, DOT_FP32, DO_DK, DO_DV,
-                                         HAS_DOCS, HAS_KVV, USE_DESC, BLOCK_D, PIPE_BOUNDARY, MASK_RANGES, 2)
-            for g in range(G):
-                dk, dv = _dkdv_head_part(dk, dv, k, v, Q, DO, M, RNG, LSE, DELTA, Q_DESC, DO_DESC, KVSPAN, b, hk * G + g,
-                                         pid_n, start_n, offs_n, offs_m0, offs_d, stride_qb, stride_qh, stride_qm,
-                                         stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_mb,
-                                         stride_mh, stride_mm, stride_mn, stride_rb, stride_rh, stride_spanb, H, S,
-                                         SKV, OFF, window, sc_mul, out_mul, DST, DEN, KVV, BLOCK_M, BLOCK_N, D_MASK,
-                                         SOFTCAP, MASK_KIND, MID_MASK, IS_CAUSAL, HAS_WINDOW, DOT_FP32, DO_DK, DO_DV,
-                                         HAS_DOCS, HAS_KVV, USE_DESC, BLOCK_D, PIPE_BOUNDARY, MASK_RANGES, 4)
-        else:
-            for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
-                dk, dv = _dkdv_head_part(dk, dv, k, v, Q, DO, M, RNG, LSE, DELTA, Q_DESC, DO_DESC, KVSPAN, b, hk * G + g,
-                                         pid_n, start_n, offs_n, offs_m0, offs_d, stride_qb, stride_qh, stride_qm,
-                                         stride_qd, stride_dob, stride_doh, stride_dom, stride_dod, stride_mb,
-                                         stride_mh, stride_mm, stride_mn, stride_rb, stride_rh, stride_spanb, H, S,
-                                         SKV, OFF, window, sc_mul, out_mul, DST, DEN, KVV, BLOCK_M, BLOCK_N, D_MASK,
-                                         SOFTCAP, MASK_KIND, MID_MASK, IS_CAUSAL, HAS_WINDOW, DOT_FP32, DO_DK, DO_DV,
-                                         HAS_DOCS, HAS_KVV, USE_DESC, BLOCK_D, PIPE_BOUNDARY, MASK_RANGES, 7)
+        for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
+            h = hk * G + g
+            lo, b_, c_, hi = _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF,
+                                                window, DEN, KVSPAN + b * stride_spanb, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                HAS_WINDOW, HAS_DOCS, MASK_RANGES, HAS_KVV)
+            Q_blk = Q + b * stride_qb + h * stride_qh + offs_d[None, :] * stride_qd
+            DO_blk = DO + b * stride_dob + h * stride_doh + offs_d[None, :] * stride_dod
+            M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
+            LSE_h = LSE + (b * H + h) * S
+            DELTA_h = DELTA + (b * H + h) * S
+            # [lo, b) boundary | [b, c) interior | [c, hi) boundary
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
+                                     IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
+                                     IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
+                                     IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
         if DO_DK:
             dk = dk * scaling
             tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
@@ -519,7 +467,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
     key = (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv)
     common["MASK_RANGES"] = ranges
-    common["BLOCK_MAJOR"] = launching.grid_order()
+    common["BLOCK_MAJOR"] = launching.BLOCK_MAJOR_GRID
     common.update(HAS_DOCS=has_docs, HAS_KVV=has_kvv,
                   INT64=needs_int64(q, k, v, do, dq, dk, dv, expand_mask(mask, B, Hq, S, Skv)))
 
@@ -532,15 +480,14 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                    else (lse, (0, 0)))
         # q / dO tiles through the copy engine where it can address them (no bounds masks, no pointer tiles)
         q_desc, do_desc = tile_descriptor(q, [1, 1, BM, BLOCK_D]), tile_descriptor(do, [1, 1, BM, BLOCK_D])
-        use_desc = q_desc is not None and do_desc is not None and launching.DKDV_TMA_BOUNDARY
+        use_desc = q_desc is not None and do_desc is not None
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv[grid(triton.cdiv(Skv, BN), B * Hkv)](
                 q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dk, dv, q_desc if use_desc else None,
                 do_desc if use_desc else None, *q.stride(), *k.stride(), *v.stride(), *ms,
                 *rs, sdb, sde, skb, ssb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
                 out_mul, float(scaling), BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
-                DO_DV=do_dv, USE_DESC=use_desc, PIPE_BOUNDARY=launching.DKDV_PIPELINE_BOUNDARY,
-                LOOPS_BY_KIND=launching.DKDV_LOOPS_BY_KIND, **common)
+                DO_DV=do_dv, USE_DESC=use_desc, **common)
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]

@@ -166,7 +166,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
             MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
             DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
-            BLOCK_MAJOR=launching.grid_order(), MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
+            BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
             INT64=int64, num_warps=nw, num_stages=ns)
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
