@@ -115,9 +115,9 @@ def test_triton_recipe_path_with_64_bit_addresses(int64, monkeypatch):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-4)
 
 
-def test_key_span_is_each_rows_first_and_last_valid_key():
+def test_key_span_is_each_rows_first_and_last_valid_key_and_holes():
     valid = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    assert launching.key_span(valid).tolist() == [[1, 5], [6, 0], [0, 6]]
+    assert launching.key_span(valid).tolist() == [[1, 5, 1, 0], [6, 0, 0, 0], [0, 6, 0, 0]]
 
 
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch):
@@ -126,13 +126,14 @@ def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch):
     padding inside the span masked tile by tile and a row with no valid key at all."""
     if not HAVE_TRITON or not interpreting():
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
-    B, S = 3, 70
+    B, S = 4, 70
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[0, :37] = False  # left padding: key blocks [0, 32) skipped, rows before 37 see nothing
     valid[1, 21:] = False  # right padding: key blocks from 32 on skipped
-    valid[1, 5:9] = False  # a hole inside the span
+    valid[1, 5:9] = False  # a hole inside the span: the flags are read in every tile of this row
     valid[2] = False  # nothing valid
-    q, k, v, do, ids, keep = _case(B, 4, 2, S, 16, [[], [], []], valid, seed=5)
+    valid[3, 50:] = False  # right padding, no hole: interior tiles [0, 48) read no flags
+    q, k, v, do, ids, keep = _case(B, 4, 2, S, 16, [[], [], [], []], valid, seed=5)
     for mr in ("zero", "uniform"):
         kw = dict(scaling=0.4, causal=True, key_valid=valid, masked_rows=mr)
         monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", "triton")

@@ -21,8 +21,8 @@ import torch
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import launching
-from .block_map import (key_block_outside_span, kv_block_query_ranges, load_ranges, mask_block_ranges_of,
-                        q_block_key_ranges_of, use_mask_ranges)
+from .block_map import (key_block_needs_flags, key_block_outside_span, kv_block_query_ranges, load_ranges,
+                        mask_block_ranges_of, q_block_key_ranges_of, use_mask_ranges)
 from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         recipe_args, score_scalars, softcap_mode)
@@ -62,7 +62,7 @@ if HAVE_TRITON:
     @triton.jit
     def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, offs_n,
                         offs_m0, offs_d, lo, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
-                        out_mul, DST, KVV,
+                        out_mul, DST, KVV, kv_check,
                         BLOCK_M: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
@@ -98,8 +98,8 @@ if HAVE_TRITON:
                 Di = tl.load(DELTA_h + rows)
             qkT = dot(k, tl.trans(q), DOT_FP32)
             s2, t = masked_scores(qkT, sc_mul, out_mul, M_blk + offs_m[None, :] * stride_mm, offs_m[None, :],
-                                  offs_n[:, None], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
-                                  HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
+                                  offs_n[:, None], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
+                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             pT = tl.exp2(s2 - lse2[None, :])
             if DO_DV:
                 dv = dot_acc(pT.to(do.dtype), do, dv, DOT_FP32)
@@ -180,6 +180,8 @@ if HAVE_TRITON:
         else:
             dv = tl.zeros([1, 1], tl.float32)
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
+        # key padding flags are read only where this key block may hold padding (a span edge or a hole)
+        kv_check = key_block_needs_flags(start_n, KVSPAN + b * stride_spanb, BLOCK_N) if HAS_KVV else 0
         for g in range(G):  # the query heads sharing this kv head: GQA gradients summed in registers
             h = hk * G + g
             lo, b_, c_, hi = _dkdv_query_ranges(RNG, b, h, pid_n, stride_rb, stride_rh, start_n, S, SKV, OFF,
@@ -193,17 +195,17 @@ if HAVE_TRITON:
             # [lo, b) boundary | [b, c) interior | [c, hi) boundary
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
-                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
+                                     window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
                                      USE_DESC, BLOCK_D)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
-                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
+                                     window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
                                      IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
                                      USE_DESC, BLOCK_D)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
-                                     window, sc_mul, out_mul, DST, KVV, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
+                                     window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
                                      USE_DESC, BLOCK_D)
         if DO_DK:
@@ -216,10 +218,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
-                      stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                      stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                       BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
                       DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
+        kv_check = 1 if BOUNDARY else kv_holes  # as in the forward's loops
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             if BOUNDARY:
@@ -235,8 +238,8 @@ if HAVE_TRITON:
             v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
             qk = dot(q, tl.trans(k), DOT_FP32)
             s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
-                                  offs_n[None, :], S, SKV, OFF, window, DST, KVV, SOFTCAP, MASK_KIND, IS_CAUSAL,
-                                  HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
+                                  offs_n[None, :], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
+                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             p = tl.exp2(s2 - lse2[:, None])
             dp = dot(do, tl.trans(v), DOT_FP32)
             ds = p * (dp - Di[:, None])
@@ -288,20 +291,22 @@ if HAVE_TRITON:
         M_blk = M + b * stride_mb + h * stride_mh + offs_m[:, None] * stride_mm
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
+        KVS = KVSPAN + b * stride_spanb
+        kv_holes = tl.load(KVS + 2) if HAS_KVV else 0
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
-                                               OFF, window, DST, KVSPAN + b * stride_spanb, BLOCK_M, BLOCK_N,
-                                               IS_CAUSAL, HAS_WINDOW, MASK_RANGES, HAS_DOCS, HAS_KVV)
+                                               OFF, window, DST, KVS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
+                                               MASK_RANGES, HAS_DOCS, HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                            HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                           BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
                            HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                           BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                            HAS_KVV)
         dq = dq * scaling
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,

@@ -29,7 +29,7 @@ from fxfuse.kernels.triton_support import HAVE_TRITON, tl, triton
 from .scores import MASKED_BELOW_C
 
 __all__ = ["MASK_BLOCK_RANGES", "use_mask_ranges", "mask_block_ranges_of", "load_ranges", "q_block_key_ranges_of",
-           "kv_block_query_ranges", "key_block_outside_span"]
+           "kv_block_query_ranges", "key_block_outside_span", "key_block_needs_flags"]
 
 # The classifier's arguments that change with the sequence length are not specialised (see launching.MASK_LENGTHS).
 _LENGTHS_MASK_TILE_CLASSES = ['stride_mb', 'stride_mh', 'stride_r', 'stride_c', 'R', 'C', 'NR', 'NC']
@@ -145,11 +145,15 @@ if HAVE_TRITON:
             lo, b, c, hi = _q_block_key_ranges(start_m, S, SKV, OFF, window, DST, BLOCK_M, BLOCK_N, IS_CAUSAL,
                                                HAS_WINDOW, HAS_DOCS)
         if HAS_KVV:
-            # keys outside [first, end) are padding: never visited (inside it, holes are masked tile by tile)
-            lo = tl.maximum(lo, (tl.load(KVS) // BLOCK_N) * BLOCK_N)
-            hi = tl.maximum(tl.minimum(hi, tl.load(KVS + 1)), lo)
-            b = tl.minimum(tl.maximum(b, lo), hi)
-            c = tl.minimum(tl.maximum(c, b), hi)
+            # keys outside [first, end) are padding: never visited. The tiles holding first and end - 1 go to the
+            # boundary loops (which read the padding flags); interior tiles lie inside the span (flags read only
+            # where the span has holes)
+            first = tl.load(KVS)
+            end = tl.load(KVS + 1)
+            lo = tl.maximum(lo, (first // BLOCK_N) * BLOCK_N)
+            hi = tl.maximum(tl.minimum(hi, end), lo)
+            b = tl.minimum(tl.maximum(b, tl.maximum(lo, tl.cdiv(first, BLOCK_N) * BLOCK_N)), hi)
+            c = tl.minimum(tl.maximum(tl.minimum(c, (end // BLOCK_N) * BLOCK_N), b), hi)
         return lo, b, c, hi
 
     @triton.jit
@@ -157,6 +161,12 @@ if HAVE_TRITON:
         """True where keys [start_n, start_n + BLOCK_N) all lie outside the row's valid-key span (pure padding):
         no query attends them, their dK / dV are 0."""
         return (start_n >= tl.load(KVS + 1)) | (start_n + BLOCK_N <= tl.load(KVS))
+
+    @triton.jit
+    def key_block_needs_flags(start_n, KVS, BLOCK_N: tl.constexpr):
+        """Whether keys [start_n, start_n + BLOCK_N) may hold padding: the block reaches past the span's edges or
+        the span has holes."""
+        return (tl.load(KVS + 2) != 0) | (start_n < tl.load(KVS)) | (start_n + BLOCK_N > tl.load(KVS + 1))
 
     @triton.jit
     def kv_block_query_ranges(start_n, S, SKV, OFF, window, DEN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -187,7 +197,7 @@ if HAVE_TRITON:
         c = tl.minimum(tl.maximum(full_hi, b), hi)
         return lo, b, c, hi
 else:  # pragma: no cover
-    load_ranges = q_block_key_ranges_of = kv_block_query_ranges = key_block_outside_span = None
+    load_ranges = q_block_key_ranges_of = kv_block_query_ranges = key_block_outside_span = key_block_needs_flags = None
 
 
 # Block ranges from a mask tensor (see the module docstring); False = read the mask in every block (benchmarks

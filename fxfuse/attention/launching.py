@@ -114,9 +114,10 @@ def recipe_args(doc_ranges, key_valid, like):
     """The recipe vectors as kernel arguments: (docs, stride_docb, stride_doce, kvv, stride_kvvb, kv_span,
     stride_spanb, HAS_DOCS, HAS_KVV). ``doc_ranges`` int [2, B|1, S] (start, end of each token's document),
     ``key_valid`` bool [B|1, Skv]; a batch of 1 broadcasts (stride 0). O(B x S) each; absent ones are replaced by
-    a dummy pointer. ``kv_span`` int32 [B|1, 2]: each row's first valid key and last valid key + 1 ((Skv, 0) for
-    a row with none), so that the kernels skip the key blocks padding fills (right / left padding: a padded
-    row of length L costs L^2 / 2, not S^2 / 2); computed on the device, no host sync."""
+    a dummy pointer. ``kv_span`` int32 [B|1, 4] (:func:`key_span`): each row's first valid key, last valid key + 1
+    and whether padding lies between them, so that the kernels skip the key blocks padding fills (right / left
+    padding: a padded row of length L costs about L^2 / 2 of causal work, not S^2 / 2) and read the padding flags
+    only where a tile can hold some; computed on the device, no host sync."""
     docs, sdb, sde, has_docs = like, 0, 0, False
     if doc_ranges is not None:
         docs = doc_ranges.to(torch.int32).contiguous()
@@ -127,17 +128,20 @@ def recipe_args(doc_ranges, key_valid, like):
         valid = key_valid.to(torch.bool).contiguous()
         kvv = valid.view(torch.uint8)
         skb, has_kvv = (kvv.stride(0) if kvv.shape[0] > 1 else 0), True
-        span, ssb = key_span(valid), (2 if kvv.shape[0] > 1 else 0)
+        span, ssb = key_span(valid), (4 if kvv.shape[0] > 1 else 0)
     return docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv
 
 
 def key_span(valid):
-    """int32 [B, 2]: (first True, last True + 1) of each row of a bool [B, Skv]; (Skv, 0) for a row of False."""
+    """int32 [B, 4] per row of a bool [B, Skv]: (first True, last True + 1, 1 if a False lies between them, 0);
+    (Skv, 0, 0, 0) for a row of False. The kernels skip the key blocks outside [first, end) and read the flags
+    only in the tiles at its edges, or everywhere in a row with holes."""
     Skv = valid.shape[-1]
     idx = torch.arange(Skv, device=valid.device, dtype=torch.int32)
     first = torch.where(valid, idx, Skv).amin(-1)
     end = torch.where(valid, idx + 1, 0).amax(-1)
-    return torch.stack([first, end], -1).to(torch.int32).contiguous()
+    holes = (end - first).clamp_min(0) != valid.sum(-1, dtype=torch.int32)
+    return torch.stack([first, end, holes.to(torch.int32), torch.zeros_like(first)], -1).to(torch.int32).contiguous()
 
 
 # Tests set this to run the 64-bit address path at small sizes.

@@ -74,19 +74,22 @@ if HAVE_TRITON:
             return qk * out_mul, qk
 
     @triton.jit
-    def masked_scores(qk, sc_mul, out_mul, mptrs, qi, ki, S, SKV, OFF, window, DST, KVV, SOFTCAP: tl.constexpr,
+    def masked_scores(qk, sc_mul, out_mul, mptrs, qi, ki, S, SKV, OFF, window, DST, KVV, KV_CHECK,
+                      SOFTCAP: tl.constexpr,
                       MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       BOUNDARY: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         """(s2, t) of one score tile with every mask applied. ``qi``/``ki`` are the query/key indices broadcast
         to the tile's shape, so the forward and dQ loops (queries x keys) and the dK/dV loop (keys x queries)
         share this. Causal/window/out-of-range masking is needed only on BOUNDARY tiles; interior tiles are
-        fully kept by construction of the loop bounds."""
+        fully kept by construction of the loop bounds. Key padding (HAS_KVV) is read only where ``KV_CHECK`` says
+        the tile's keys may hold some (a span edge or a hole in it; see :func:`.launching.key_span`)."""
         s2, t = _scores(qk, sc_mul, out_mul, SOFTCAP)
         if MASK_KIND != 0:
             s2 = _apply_mask_tensor(s2, mptrs, (qi < S) & (ki < SKV), MASK_KIND)
-        if HAS_KVV:  # key padding (a [Skv] vector of this batch row): read in every tile, O(BLOCK) bytes
-            kv_ok = tl.load(KVV + ki, mask=ki < SKV, other=0)
-            s2 = tl.where(kv_ok != 0, s2, float("-inf"))
+        if HAS_KVV:
+            if KV_CHECK:  # key padding (a [Skv] vector of this batch row): O(BLOCK) bytes
+                kv_ok = tl.load(KVV + ki, mask=ki < SKV, other=0)
+                s2 = tl.where(kv_ok != 0, s2, float("-inf"))
         if BOUNDARY:
             ok = (qi < S) & (ki < SKV)
             if IS_CAUSAL:
