@@ -152,18 +152,44 @@ def _use_triton(t: Tensor) -> bool:
     return use_triton(t, force=mode == "triton")
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def _softcap_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scaling: float,
-                          softcap: float, causal: bool, window: int, masked_rows: int = 0,
-                          doc_ranges: Optional[Tensor] = None, key_valid: Optional[Tensor] = None
-                          ) -> Tuple[Tensor, Tensor]:
+# The two ops are defined with torch.library.Library (define + one impl for every device + register_fake +
+# register_autograd) rather than torch.library.custom_op: custom_op's Python layers (autograd wrapper, redispatch,
+# dynamo-disable wrapper, output alias checks) cost ~0.5 ms of host time per call on the H200 machine (torch 2.11),
+# more than the GPU takes for a layer at 4k tokens (benchmarks/attention_notes.md, session 4). Same schemas as
+# custom_op gave them; the impls pick Triton or PyTorch per tensor.
+_lib = torch.library.Library("fxfuse", "FRAGMENT")
+_lib.define(f"{OP_NAME.split('::')[1]}(Tensor q, Tensor k, Tensor v, Tensor? mask, float scaling, float softcap, "
+            "bool causal, SymInt window, SymInt masked_rows=0, Tensor? doc_ranges=None, Tensor? key_valid=None) "
+            "-> (Tensor, Tensor)")
+_lib.define(f"{BACKWARD_OP_NAME.split('::')[1]}(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? mask, "
+            "Tensor out, Tensor lse, float scaling, float softcap, bool causal, SymInt window, SymInt masked_rows=0, "
+            "Tensor? doc_ranges=None, Tensor? key_valid=None) -> (Tensor, Tensor, Tensor)")
+
+
+def _softcap_attention_impl(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scaling: float,
+                            softcap: float, causal: bool, window: int, masked_rows: int = 0,
+                            doc_ranges: Optional[Tensor] = None, key_valid: Optional[Tensor] = None
+                            ) -> Tuple[Tensor, Tensor]:
     check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid)
     impl = forward.attention_fwd_triton if _use_triton(q) else reference.attention_fwd_torch
     return impl(q, k, v, mask, scaling, softcap, causal, window, masked_rows=masked_rows, doc_ranges=doc_ranges,
                 key_valid=key_valid)
 
 
-@_softcap_attention_op.register_fake
+def _softcap_attention_backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                                     out: Tensor, lse: Tensor, scaling: float, softcap: float, causal: bool,
+                                     window: int, masked_rows: int = 0, doc_ranges: Optional[Tensor] = None,
+                                     key_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    impl = backward.attention_bwd_triton if _use_triton(q) else reference.attention_bwd_torch
+    return impl(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=masked_rows,
+                doc_ranges=doc_ranges, key_valid=key_valid)
+
+
+_lib.impl(OP_NAME.split("::")[1], _softcap_attention_impl, "CompositeExplicitAutograd")
+_lib.impl(BACKWARD_OP_NAME.split("::")[1], _softcap_attention_backward_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(OP_NAME, lib=_lib)
 def _(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0, doc_ranges=None, key_valid=None):
     check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid)
     B, Hq, S, Dh = q.shape
@@ -172,17 +198,7 @@ def _(q, k, v, mask, scaling, softcap, causal, window, masked_rows=0, doc_ranges
     return out, lse
 
 
-@torch.library.custom_op(BACKWARD_OP_NAME, mutates_args=())
-def _softcap_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-                                   out: Tensor, lse: Tensor, scaling: float, softcap: float, causal: bool,
-                                   window: int, masked_rows: int = 0, doc_ranges: Optional[Tensor] = None,
-                                   key_valid: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    impl = backward.attention_bwd_triton if _use_triton(q) else reference.attention_bwd_torch
-    return impl(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=masked_rows,
-                doc_ranges=doc_ranges, key_valid=key_valid)
-
-
-@_softcap_attention_backward_op.register_fake
+@torch.library.register_fake(BACKWARD_OP_NAME, lib=_lib)
 def _(dout, q, k, v, mask, out, lse, scaling, softcap, causal, window, masked_rows=0, doc_ranges=None,
       key_valid=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -205,7 +221,7 @@ def _backward(ctx, dout, dlse):
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
-_softcap_attention_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context, lib=_lib)
 
 
 # Under autocast the two matmuls this op replaces run on operands cast to the autocast dtype, while the additive
