@@ -129,15 +129,21 @@ def main():
                  ("softcap window tiny", 1, 4, 2, 50, 16, [[10]], None, 50.0, 9, "uniform")]
     for c in cases:
         results.append(accuracy(*c))
-    for side in ("left", "right"):
+    for side in ("left", "right", "holes"):
+        # holes: padding inside a row's valid-key span (the kernels then read the padding flags in every tile)
+        # beside a row without (flags read only in the tiles at the span's edges)
         B, S = (2, 60) if TINY else (2, 777)
         valid = torch.ones(B, S, dtype=torch.bool, device=DEV)
         if side == "left":
             valid[0, :S // 8] = False
             valid[1, :S * 2 // 3] = False
-        else:
+        elif side == "right":
             valid[0, -(S // 8):] = False
             valid[1, -(S * 2 // 3):] = False
+        else:
+            valid[0, S // 3:S // 3 + S // 10] = False
+            valid[0, -(S // 5):] = False
+            valid[1, S // 7:] = False
         for mr in ("zero", "uniform"):
             results.append(accuracy(f"{side} padding D128 {mr}", B, 8, 2, S, 128, [[], []], valid, 0.0, 0, mr))
     try:
