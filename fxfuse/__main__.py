@@ -6,10 +6,13 @@ for ``--help``; an unknown one prints a short usage and exits 2 (argparse's conv
 from __future__ import annotations
 
 import glob
+import json
 import os
 import platform
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .report import FusionReport, RunReport
 
 
 def _demo(argv: Sequence[str]) -> int:
@@ -20,7 +23,8 @@ def _demo(argv: Sequence[str]) -> int:
 
 def _report(argv: Sequence[str]) -> int:
     """Print the fusion reports saved in a debug directory (``*.report.txt``, written by ``fxfuse.debug(dir)`` or
-    ``options["debug_dir"]``), oldest first."""
+    ``options["debug_dir"]``): the run's summary by pass first (what ``fxfuse.report()`` prints), then each graph's
+    report, oldest first."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m fxfuse report", description=_report.__doc__)
@@ -36,6 +40,16 @@ def _report(argv: Sequence[str]) -> int:
               f"`with fxfuse.debug({args.debug_dir!r}):` or with options={{'debug_dir': {args.debug_dir!r}}})",
               file=sys.stderr)
         return 1
+    graphs = []
+    for f in files:
+        try:
+            with open(f[:-len(".txt")] + ".json") as fh:
+                graphs.append(FusionReport.from_dict(json.load(fh)))
+        except (OSError, ValueError, KeyError, TypeError):  # a report written before the JSON twin existed
+            pass
+    if graphs:
+        print(RunReport.of(graphs))
+        print()
     for i, f in enumerate(files):
         if i:
             print()

@@ -17,7 +17,7 @@ import torch
 from . import report_log
 from .inductor_hook import installed
 from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
-from .report import FusionReport
+from .report import FusionReport, RunReport
 
 __all__ = ["compile", "report", "reports", "clear_reports"]
 
@@ -77,45 +77,56 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
 
 
 # ---------------------------------------------------------------------------------------------------- reports
-_cache_hits_seen = 0
+_cache_hits_seen = 0  # AOTAutograd cache hits already warned about
+_cache_hits_at_clear = 0  # ... at the last clear_reports(): the run's cached graphs are the hits since
+
+
+def _aot_cache_hits() -> int:
+    """AOTAutograd cache hits in this process under :func:`fxfuse.install` (0 otherwise: with backend="fxfuse" the
+    passes run before any cache lookup, so every graph has its report)."""
+    try:
+        if not installed():
+            return 0
+        from torch._dynamo.utils import counters
+
+        return int(counters["aot_autograd"].get("autograd_cache_hit", 0))
+    except Exception:  # a diagnostic must never break the caller
+        return 0
 
 
 def _warn_about_cached_graphs() -> None:
     """Under :func:`fxfuse.install`, torch (2.13) looks a graph up in AOTAutograd's cache *before* Inductor's pre-grad
-    passes: on a hit the cached code (fused, as compiled when the cache was filled, and keyed on fxfuse's pass uuid)
-    runs, but fxfuse's pass did not run in this process and left no report. Say so instead of showing an empty or
-    partial list as if nothing had been fused."""
+    passes: on a hit the cached code (compiled with fxfuse's passes, whose uuid is part of the cache key) runs, but
+    fxfuse's passes did not run in this process and left no per-site report. Say so once per new hit."""
     global _cache_hits_seen
-    try:
-        if not installed():
-            return
-        from torch._dynamo.utils import counters
-
-        hits = int(counters["aot_autograd"].get("autograd_cache_hit", 0))
-    except Exception:  # a diagnostic must never break the caller
-        return
+    hits = _aot_cache_hits()
     if hits > _cache_hits_seen:
         warnings.warn(f"fxfuse: {hits - _cache_hits_seen} graph(s) compiled since the last call came from AOTAutograd's "
-                      "on-disk cache, which torch looks up before Inductor's pre-grad passes: the cached code (fused as "
-                      "when it was cached) runs, but fxfuse's passes did not run in this process, so their reports "
-                      "are missing here. TORCHINDUCTOR_AUTOGRAD_CACHE=0 recompiles them and brings the reports back.",
-                      stacklevel=3)
+                      "on-disk cache, which torch looks up before Inductor's pre-grad passes: the cached code "
+                      "(compiled with fxfuse's passes when it was cached) runs, but the passes did not run in this "
+                      "process, so those graphs have no per-site report here. TORCHINDUCTOR_AUTOGRAD_CACHE=0 "
+                      "recompiles them and brings the reports back.", stacklevel=3)
         _cache_hits_seen = hits
 
 
-def report() -> FusionReport:
-    """The report of the most recent graph fxfuse compiled (an empty report if none yet)."""
+def report() -> RunReport:
+    """The whole run: every graph fxfuse compiled since start-up or the last :func:`clear_reports`, its sites fused,
+    skipped and rolled back counted by pass (``print(fxfuse.report())``), the per-graph reports in ``.graphs`` and
+    :func:`reports`. Graphs served from torch's compile cache under :func:`fxfuse.install` are counted apart
+    (``cached_graphs``): their code is fxfuse's, their sites were reported when they were compiled."""
     _warn_about_cached_graphs()
-    return report_log.latest() or FusionReport(graph_name="<nothing compiled with fxfuse yet>")
+    return RunReport.of(report_log.published(), max(0, _aot_cache_hits() - _cache_hits_at_clear))
 
 
 def reports() -> List[FusionReport]:
-    """Every report since start-up or the last :func:`clear_reports`, oldest first. Under :func:`fxfuse.install`,
-    graphs served from AOTAutograd's cache have none (a warning says how many)."""
+    """One report per graph since start-up or the last :func:`clear_reports`, oldest first. Under
+    :func:`fxfuse.install`, graphs served from AOTAutograd's cache have none (a warning says how many)."""
     _warn_about_cached_graphs()
     return report_log.published()
 
 
 def clear_reports() -> None:
-    """Forget the published reports."""
+    """Forget the published reports (and the cache hits counted so far): :func:`report` starts a new run."""
+    global _cache_hits_at_clear
     report_log.clear()
+    _cache_hits_at_clear = _aot_cache_hits()

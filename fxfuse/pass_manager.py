@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import time
@@ -190,6 +191,8 @@ class PassManager:
             _dump(debug_dir, f"{tag}.1_after_fxfuse.py", gm)
             with open(os.path.join(debug_dir, f"{tag}.report.txt"), "w") as f:
                 f.write(str(rep) + "\n")
+            with open(os.path.join(debug_dir, f"{tag}.report.json"), "w") as f:  # for `python -m fxfuse report`
+                json.dump(rep.to_dict(), f)
         return rep, subs
 
     def _run_all(self, gm, example_inputs, specs: List[PassSpec], rep: FusionReport, fake_mode):

@@ -63,9 +63,13 @@ def test_report_prints_the_saved_reports(tmp_path, capsys):
     fn = torch.compile(lambda x, y: torch.nn.functional.cross_entropy(x @ W.T, y), backend="fxfuse",
                        options={"compiler": "aot_eager", "debug_dir": str(tmp_path)})
     fn(torch.randn(6, 8), torch.randint(0, 16, (6,))).backward()
+    fn(torch.randn(9, 8), torch.randint(0, 16, (9,))).backward()  # a second graph (the dynamic-length recompile)
     assert _main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert ".report.txt" in out and "[fused] linear_cross_entropy" in out and "fxfuse graph" in out
+    # the run first, as fxfuse.report() prints it: both graphs' sites counted by pass
+    assert out.startswith(fxfuse.report().summary().split(";")[0]), out
+    assert "fxfuse run: 2 graphs compiled: 2 fused" in out and "linear_cross_entropy: 2 fused" in out, out
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _main(["report", str(empty)]) == 1

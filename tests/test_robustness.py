@@ -190,6 +190,7 @@ _INSTALL_SCRIPT = textwrap.dedent(r"""
         warnings.simplefilter("always")
         fused = [r.pass_name for rep in fxfuse.reports() for r in rep.fused]
     ops = sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")})
+    print("RUN", fxfuse.report().summary())
     print("RESULT", fused, ops, [str(c.message)[:90] for c in caught if "AOTAutograd" in str(c.message)])
 """)
 
@@ -197,7 +198,8 @@ _INSTALL_SCRIPT = textwrap.dedent(r"""
 @pytest.mark.slow
 def test_a_graph_served_from_aotautograd_cache_under_install_says_its_report_is_missing(tmp_path):
     """Under install(), torch looks a graph up in AOTAutograd's cache before Inductor's pre-grad passes: the second
-    process runs the cached fused code without running fxfuse's pass. reports() must say so, not look unfused."""
+    process runs the cached fused code without running fxfuse's pass. reports() must say so, not look unfused, and
+    the run report counts the graph as compiled with fxfuse's passes (from the cache)."""
     env = dict(os.environ, PYTHONPATH=ROOT, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
                TORCHINDUCTOR_FORCE_DISABLE_CACHES="0", TORCHINDUCTOR_FX_GRAPH_CACHE="1",
                TORCHINDUCTOR_AUTOGRAD_CACHE="1")
@@ -207,13 +209,17 @@ def test_a_graph_served_from_aotautograd_cache_under_install_says_its_report_is_
         p = subprocess.run([sys.executable, "-c", _INSTALL_SCRIPT], env=env, capture_output=True, text=True,
                            cwd=str(tmp_path), timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
-        return [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")][-1]
+        lines = p.stdout.splitlines()
+        return ([ln for ln in lines if ln.startswith("RESULT")][-1], [ln for ln in lines if ln.startswith("RUN")][-1])
 
-    first, second = run(), run()
+    (first, run1), (second, run2) = run(), run()
     assert "['linear_cross_entropy']" in first and "AOTAutograd" not in first, first
+    assert "1 fused" in run1 and "compile cache" not in run1, run1
     assert "fxfuse::linear_cross_entropy_fwd" in second, second  # the fused code ran from the cache
-    if "[] " in second:  # no report in the second process: then it must have been said
+    if "[] " in second:  # no report in the second process: then it must have been said, and the run counts it
         assert "came from AOTAutograd" in second, second
+        assert "1 graph from torch's compile cache: compiled with fxfuse's passes" in run2, run2
+        assert "nothing compiled" not in run2, run2
 
 
 # ---------------------------------------------------------------------------------------------- 4. reports
@@ -225,6 +231,26 @@ def test_reports_of_graphs_that_share_a_compile_id_are_all_kept():
     g(torch.randn(3))
     names = [r.graph_name for r in fxfuse.reports()]
     assert len(names) == 2 and len(set(names)) == 2, names
+
+
+def test_report_is_the_run_every_graph_since_the_last_clear():
+    """fxfuse.report() after several compiled graphs (two functions, a recompile) counts every graph's sites, by pass;
+    the per-graph reports stay one call away; clear_reports() starts a new run."""
+    W = torch.randn(16, 8, requires_grad=True)
+    ce = torch.compile(lambda x, y: F.cross_entropy(x @ W.T, y), backend="fxfuse", options=AOT)
+    relu = torch.compile(lambda x: torch.relu(x) * 2, backend="fxfuse", options=AOT)
+    for n in (6, 9):  # the second length recompiles with a symbolic size: a second graph
+        ce(torch.randn(n, 8), torch.randint(0, 16, (n,))).backward()
+    relu(torch.randn(3))
+    run = fxfuse.report()
+    assert len(run.graphs) == 3 and run.graphs == fxfuse.reports(), str(run)
+    assert run.by_pass() == {"linear_cross_entropy": {"fused": 2}}, str(run)
+    assert [r.pass_name for r in run.fused] == ["linear_cross_entropy"] * 2
+    text = str(run)
+    assert text.startswith("fxfuse run: 3 graphs compiled: 2 fused") and "linear_cross_entropy: 2 fused" in text, text
+    assert all(g.summary() in text for g in run.graphs), text
+    fxfuse.clear_reports()
+    assert not fxfuse.report().graphs and "nothing compiled" in str(fxfuse.report())
 
 
 def test_backend_calls_under_one_compile_id_keep_a_report_each():
