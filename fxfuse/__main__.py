@@ -200,7 +200,7 @@ def _doctor(argv: Sequence[str]) -> int:
         print(f"  {op:<{w}}  GPU: {gpu}; CPU: {cpu}")
     print("== passes ==")
     for s in fxfuse.registered_passes():
-        opts = ", ".join(f"{k}={v.default!r}" for k, v in s.options.items())
+        opts = ", ".join(f"{k}={v.show_default()}" for k, v in s.options.items())
         print(f"  {s.name:<22} {s.description}" + (f"  [options: {opts}]" if opts else ""))
     return 0 if all(not r[2].startswith("FAILED") and "FAILED" not in r[1] for r in rows) else 1
 

@@ -36,6 +36,8 @@ class PassOption:
     ``type``: ``bool``, ``int``, ``float`` or ``str`` (bools must be real bools; an ``int`` option takes no bool or
     float). ``choices``: the only allowed values. ``minimum``: lowest allowed number. ``default``: what the pass
     uses when the option is not given (or given as ``None``). ``doc``: one line for error messages and listings.
+    ``shown_default``: how listings (``python -m fxfuse doctor``) show the default where its value alone would
+    mislead (a 0 that stands for the op's own default), e.g. ``"0 = 256 MiB"``.
     """
 
     type: type
@@ -43,6 +45,10 @@ class PassOption:
     doc: str = ""
     choices: Optional[Tuple[Any, ...]] = None
     minimum: Optional[float] = None
+    shown_default: str = ""
+
+    def show_default(self) -> str:
+        return self.shown_default or repr(self.default)
 
     @classmethod
     def coerce(cls, pass_name: str, option: str, spec: Any) -> "PassOption":
@@ -51,16 +57,18 @@ class PassOption:
         if isinstance(spec, PassOption):
             opt = spec
         elif isinstance(spec, Mapping):
-            unknown = set(spec) - {"type", "default", "doc", "choices", "minimum"}
+            unknown = set(spec) - {"type", "default", "doc", "choices", "minimum", "shown_default"}
             if unknown:
                 raise PassRegistrationError(f"pass {pass_name!r} option {option!r}: unknown spec field(s) "
-                                            f"{sorted(unknown)}; use type / choices / minimum / default / doc")
+                                            f"{sorted(unknown)}; use type / choices / minimum / default / doc / "
+                                            f"shown_default")
             choices = tuple(spec["choices"]) if spec.get("choices") is not None else None
             typ = spec.get("type")
             if typ is None:
                 sample = choices[0] if choices else spec.get("default")
                 typ = type(sample) if sample is not None else None
-            opt = cls(typ, spec.get("default"), spec.get("doc", ""), choices, spec.get("minimum"))
+            opt = cls(typ, spec.get("default"), spec.get("doc", ""), choices, spec.get("minimum"),
+                      spec.get("shown_default", ""))
         else:
             raise PassRegistrationError(f"pass {pass_name!r} option {option!r}: expected a PassOption or a dict "
                                         f"(type / choices / minimum / default / doc), got {spec!r}")

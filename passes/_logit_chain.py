@@ -24,8 +24,10 @@ import torch
 import torch.fx as fx
 
 from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, known_true, node_val, op_kind
+from fxfuse.kernels import lm_head_rows
 
-__all__ = ["LogitChain", "match_logit_chain", "chunk_bytes_option", "const_operand", "is_last_dim"]
+__all__ = ["LogitChain", "match_logit_chain", "CHUNK_BYTES_OPTION", "chunk_bytes_option", "const_operand",
+           "is_last_dim"]
 
 
 @dataclass
@@ -186,6 +188,14 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
             return None, f"{k} between the projection and the loss is not an elementwise-by-constant op"
         nodes.append(n)
         n = src
+
+
+# The lm-head passes' ``chunk_bytes`` option as both declare it: 0 stands for the op's default budget, which the
+# kernels read at call time (lm_head_rows.DEFAULT_CHUNK_BYTES, FXFUSE_LCE_CHUNK_BYTES in the environment).
+CHUNK_BYTES_OPTION = {"type": int, "minimum": 0, "default": 0,
+                      "doc": f"logits-chunk budget in bytes, 0 = the op's default "
+                             f"({lm_head_rows.DEFAULT_CHUNK_BYTES >> 20} MiB)",
+                      "shown_default": f"0 = {lm_head_rows.DEFAULT_CHUNK_BYTES >> 20} MiB"}
 
 
 def chunk_bytes_option(ctx) -> int:

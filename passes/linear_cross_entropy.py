@@ -39,7 +39,8 @@ from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hi
 from fxfuse.lazy import LazyLogits
 from fxfuse.registry import register_pass
 
-from ._logit_chain import LogitChain, chunk_bytes_option, const_operand, match_logit_chain
+from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, const_operand,
+                           match_logit_chain)
 
 NAME = "linear_cross_entropy"
 _DEFAULTS = {"cross_entropy": dict(weight=None, size_average=None, reduce=None, ignore_index=-100,
@@ -231,8 +232,7 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
                options={"logits": {"choices": ("lazy", "materialize"), "default": "lazy",
                                    "doc": "logits the graph returns: 'lazy' (computed only if read) or "
                                           "'materialize' (real tensors)"},
-                        "chunk_bytes": {"type": int, "minimum": 0, "default": 0,
-                                        "doc": "logits-chunk budget in bytes, 0 = the op's default of 256 MiB"}})
+                        "chunk_bytes": CHUNK_BYTES_OPTION})
 def linear_cross_entropy_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     for mod in ctx.graph_modules(gm):

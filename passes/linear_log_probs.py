@@ -38,7 +38,8 @@ import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.li
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._logit_chain import LogitChain, chunk_bytes_option, is_last_dim, match_logit_chain
+from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, is_last_dim,
+                           match_logit_chain)
 from ._row_loops import fold_row_loops
 
 NAME = "linear_log_probs"
@@ -259,8 +260,7 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
 
 @register_pass(name=NAME,
                description="lm-head projection -> log_softmax -> gather (+ entropy) -> fxfuse::linear_log_probs",
-               options={"chunk_bytes": {"type": int, "minimum": 0, "default": 0,
-                                        "doc": "logits-chunk budget in bytes, 0 = the op's default of 256 MiB"}})
+               options={"chunk_bytes": CHUNK_BYTES_OPTION})
 def linear_log_probs_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     for mod in ctx.graph_modules(gm):

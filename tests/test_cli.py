@@ -87,6 +87,9 @@ def test_doctor_lists_versions_device_and_every_fused_op(capsys):
         line = next(ln for ln in out.splitlines() if f"fxfuse.ops.{op} " in ln)
         assert "GPU: Triton:" in line and "CPU: yes" in line, line
     assert "max_group=8" in out  # the passes with their declared options
+    # a default that stands for the op's own default is shown as what it means (the code's value, not a bare 0)
+    from fxfuse.kernels import lm_head_rows
+    assert f"chunk_bytes=0 = {lm_head_rows.DEFAULT_CHUNK_BYTES >> 20} MiB" in out
 
 
 @pytest.mark.slow
