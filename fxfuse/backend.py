@@ -19,6 +19,7 @@ import torch.fx as fx
 from .errors import FxFuseError, raised_through_dynamo
 from .options import FxFuseOptions
 from .pass_manager import PassManager
+from .site_errors import wrap_site_errors
 from .substitution import wrap_substitutions
 
 __all__ = ["fxfuse"]
@@ -39,7 +40,10 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     except FxFuseError as e:  # reach the user as it is, not wrapped in Dynamo's BackendCompilerFailed
         raise raised_through_dynamo(e) from None
     manager = PassManager(opts, entry_point="backend", can_substitute_outputs=True)
-    _, subs = manager.run(gm, example_inputs, detect_fake_mode(example_inputs))
+    rep, subs = manager.run(gm, example_inputs, detect_fake_mode(example_inputs))
+    # a fused op's contract error at run time is told at the site's source line (see fxfuse.site_errors)
+    sites = [{"pass": r.pass_name, "location": r.location, "target_source": r.detail.get("target_source")}
+             for r in rep.fused]
 
     patches: Dict[str, Any] = {}
     if mode is not None and mode != "default":
@@ -60,4 +64,4 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
         compiled = aot_eager(gm, example_inputs)
     else:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    return wrap_substitutions(compiled, subs)
+    return wrap_site_errors(wrap_substitutions(compiled, subs), sites, gm)

@@ -57,7 +57,9 @@ class OpContract:
         src = user_source_line()
         if src:
             msg += f"\n  called from: {src}"
-        raise FxFuseContractError(msg)
+        err = FxFuseContractError(msg)
+        err.op = self.op  # a compiled graph's wrapper re-raises it at the fused site (fxfuse.site_errors)
+        raise err
 
     # -- checks ------------------------------------------------------------------------------------------------
     def ndim(self, name: str, allowed: int | Sequence[int]):

@@ -22,6 +22,7 @@ __all__ = [
     "FxFuseOptionsError",
     "PassRegistrationError",
     "user_source_line",
+    "is_internal_frame",
     "node_location",
     "module_path",
     "user_module_path",
@@ -87,7 +88,8 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal_frame(filename: str) -> bool:
+    """A frame of torch, fxfuse or fxfuse's passes (or synthetic code): never "the user's line"."""
     f = os.path.abspath(filename)
     return (
         f.startswith(_PKG_DIR)
@@ -114,7 +116,7 @@ def user_source_line() -> Optional[str]:
     if not frames:
         frames = traceback.extract_stack()[:-1]
     for fr in reversed(frames):
-        if not _is_internal(fr.filename):
+        if not is_internal_frame(fr.filename):
             code = (fr.line or "").strip()
             return f"{fr.filename}:{fr.lineno} in {fr.name}: {code}"
     return None

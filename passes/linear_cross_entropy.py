@@ -38,6 +38,7 @@ import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfus
 from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.lazy import LazyLogits
 from fxfuse.registry import register_pass
+from fxfuse.site_errors import target_source
 
 from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, const_operand,
                            match_logit_chain)
@@ -221,7 +222,8 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
     detail = dict(reduction=reduction, softcap=chain.softcap, scale=chain.scale,
                   ignore_index=int(consts["ignore_index"]), label_smoothing=float(consts["label_smoothing"]),
                   grad_in_forward=grad_in_forward, tokens_x_vocab=rows_x_vocab, lazy_logits_outputs=lazy,
-                  logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still])
+                  logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still],
+                  target_source=target_source(target))  # a bad class index is told as labels[row, position]
     op = f"{kind} <- {op_kind(chain.projection)} ({'softcap ' + format(chain.softcap, 'g') + ', ' if chain.softcap else ''}" \
          f"scale {chain.scale:g}, reduction {reduction})" + ("; returned logits are lazy" if lazy else "")
     ctx.fused(fused, op, saved_bytes=saved, **detail)

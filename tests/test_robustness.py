@@ -276,6 +276,44 @@ def test_backend_calls_under_one_compile_id_keep_a_report_each():
 
 
 # ----------------------------------------------------------------------------------------------- 5. errors
+def test_a_bad_label_under_compile_names_the_users_lines_and_the_labels_entry():
+    """The lm-head op sees flattened class indices inside Inductor's generated code; the error names the fused
+    site's line, the caller's line and which entry of the labels the user passed it was."""
+    W = torch.randn(16, 8, requires_grad=True)
+
+    def loss_fn(h, y):
+        return F.cross_entropy((h @ W.T).view(-1, 16), y.view(-1))  # the fused site
+
+    f = torch.compile(loss_fn, backend="fxfuse", options=AOT)
+    h, y = torch.randn(2, 5, 8), torch.randint(0, 16, (2, 5))
+    f(h, y).backward()
+    y[1, 3] = 1500
+    with pytest.raises(fxfuse.FxFuseContractError) as ei:
+        f(h, y)  # the caller's line
+    msg = str(ei.value)
+    assert "target[8] = 1500 is not a class index" in msg and "labels[1, 3] of the [2, 5] labels" in msg, msg
+    here = os.path.basename(__file__)
+    assert f'at the fused site: File "{__file__}"' in msg and "view(-1, 16)" in msg, msg
+    assert f"called from: {__file__}" in msg and "f(h, y)  # the caller's line" in msg, msg
+    assert here in msg
+
+
+def test_a_bad_label_in_a_hf_model_is_told_as_the_unshifted_labels_entry():
+    """HF causal LMs pad and shift the labels before flattening them: the error still names labels[row, pos] of the
+    tensor the user passed, and the user's line (not transformers' or Inductor's)."""
+    model = tiny_causal_lm()
+    cm = torch.compile(model, backend="fxfuse")
+    ids = torch.randint(0, 128, (2, 7))
+    cm(input_ids=ids, labels=ids.clone()).loss.backward()
+    labels = ids.clone()
+    labels[1, 4] = 999
+    with pytest.raises(fxfuse.FxFuseContractError) as ei:
+        cm(input_ids=ids, labels=labels)  # the user's call
+    msg = str(ei.value)
+    assert "labels[1, 4] of the [2, 7] labels passed in = 999" in msg, msg
+    assert f"called from: {__file__}" in msg and "# the user's call" in msg, msg
+
+
 def test_strict_errors_reach_the_user_as_fxfuse_errors():
     def transpose_output(gm):
         out = next(n for n in gm.graph.nodes if n.op == "output")

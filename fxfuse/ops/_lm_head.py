@@ -64,8 +64,11 @@ def check_class_indices(op: str, target: Tensor, num_classes: int, ignore_index:
 
             i = int(bad.nonzero()[0])
             where = user_source_line()
-            raise FxFuseContractError(
+            err = FxFuseContractError(
                 f"{op}: {what}[{i}] = {int(t[i])} is not a class index of the {num_classes}-entry vocabulary "
-                f"(allowed: {allowed})" + (f"\n  at {where}" if where else ""))
+                f"(allowed: {allowed}; {what} is the 1-D class-index tensor the loss reads: the labels flattened, "
+                f"after the model's shift if it shifts them)" + (f"\n  at {where}" if where else ""))
+            err.op, err.index = op, i  # the compiled graph's wrapper names the user's line and labels[row, pos]
+            raise err
     else:
         torch._assert_async(~bad.any(), f"{op}: a {what} entry is outside {allowed} (vocabulary of {num_classes})")
