@@ -77,7 +77,6 @@ import functools
 import gc
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -87,8 +86,8 @@ import warnings
 
 # (importing it also puts the repository root on sys.path: fxfuse comes from the source tree)
 from bench_longctx_attention import COLORS as LONGCTX_COLORS
-from bench_longctx_attention import (ROW_TAG, Skip, git_commit, merge_files, merge_rows, out_paths, run_child, save,
-                                     tok_label, versions)
+from bench_longctx_attention import (ROW_TAG, Skip, git_commit, merge_files, merge_rows, out_paths, pyplot_and_rows,
+                                     run_child, save, save_figure, tok_label, versions)
 
 FAMILIES = {  # head dim -> heads, softcap and the layouts measured
     64: dict(Hq=32, Hkv=8, softcap=0.0, layouts=("causal", "window", "docs8", "padded4"), heads="Llama-3"),
@@ -619,15 +618,9 @@ def _case_key(D, layout, S=0):
 
 def plot(json_path, png_path):
     """fwd+bwd TFLOP/s vs tokens, one panel per (head dim, layout), one line per impl; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
+    plt, doc = pyplot_and_rows(json_path)
+    if plt is None:
         return None
-    with open(json_path) as f:
-        doc = json.load(f)
     rows = [r for r in doc["rows"] if r.get("tflops") is not None]
     panels = sorted({(r["D"], r["layout"]) for r in rows}, key=lambda p: _case_key(*p))
     if not panels:
@@ -657,14 +650,7 @@ def plot(json_path, png_path):
         ax.legend(fontsize=7)
     fig.suptitle(f"attention, bf16, fwd+bwd: {doc.get('machine')}, torch {doc.get('torch')}, triton "
                  f"{doc.get('triton')}, commit {doc.get('commit')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
-        dst = os.path.join(os.environ["OUT"], os.path.basename(png_path))
-        if os.path.abspath(dst) != os.path.abspath(png_path):
-            shutil.copyfile(png_path, dst)
-    return png_path
+    return save_figure(plt, fig, png_path)
 
 
 def markdown(json_path):

@@ -531,17 +531,37 @@ def tok_label(n):
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def plot(json_path, png_path):
-    """ms and TFLOP/s vs S per impl, one column per layout; silently nothing without matplotlib."""
+def pyplot_and_rows(json_path):
+    """(matplotlib.pyplot with the Agg backend, the result JSON) for a plot, or (None, None) without matplotlib:
+    the benchmarks' plots are optional."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
-        return None
+        return None, None
     with open(json_path) as f:
-        doc = json.load(f)
+        return plt, json.load(f)
+
+
+def save_figure(plt, fig, png_path):
+    """Write the figure to ``png_path`` (and a copy under $OUT, which the device call brings back); its path."""
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
+        dst = os.path.join(os.environ["OUT"], os.path.basename(png_path))
+        if os.path.abspath(dst) != os.path.abspath(png_path):
+            shutil.copyfile(png_path, dst)
+    return png_path
+
+
+def plot(json_path, png_path):
+    """ms and TFLOP/s vs S per impl, one column per layout; silently nothing without matplotlib."""
+    plt, doc = pyplot_and_rows(json_path)
+    if plt is None:
+        return None
     rows = [r for r in doc["rows"] if r.get("ms") is not None]
     layouts = [x for x in LAYOUTS if any(r["layout"] == x for r in rows)]
     if not layouts:
@@ -567,14 +587,7 @@ def plot(json_path, png_path):
             ax.legend(fontsize=8)
     fig.suptitle(f"long-context attention, {doc.get('machine')}, torch {doc.get('torch')}, "
                  f"triton {doc.get('triton')}, commit {doc.get('commit')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
-        dst = os.path.join(os.environ["OUT"], os.path.basename(png_path))
-        if os.path.abspath(dst) != os.path.abspath(png_path):
-            shutil.copyfile(png_path, dst)
-    return png_path
+    return save_figure(plt, fig, png_path)
 
 
 KEY = ("impl", "layout", "S")

@@ -410,15 +410,9 @@ KEY = ("impl", "S", "packed")
 def plot(json_path, png_path):
     """tokens/s, peak GiB and first-step seconds vs S per impl (OOM / error rows as x at the top); silently
     nothing without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
+    plt, doc = common.pyplot_and_rows(json_path)
+    if plt is None:
         return None
-    with open(json_path) as f:
-        doc = json.load(f)
     rows = doc["rows"]
     groups = sorted({(r["impl"], r.get("packed", 1)) for r in rows if r.get("impl") != "eager"})
     if not groups:
@@ -457,16 +451,7 @@ def plot(json_path, png_path):
     fig.suptitle(f"{cfg.get('shape', 'llama-3.1-8b')} x{cfg.get('layers')} layers, LoRA r16 all projections + "
                  f"checkpointing, bf16, AdamW; {doc.get('machine')}, torch {doc.get('torch')}, "
                  f"commit {doc.get('commit')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    plt.close(fig)
-    if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
-        dst = os.path.join(os.environ["OUT"], os.path.basename(png_path))
-        if os.path.abspath(dst) != os.path.abspath(png_path):
-            import shutil
-
-            shutil.copyfile(png_path, dst)
-    return png_path
+    return common.save_figure(plt, fig, png_path)
 
 
 def driver(args, argv):
