@@ -178,6 +178,12 @@ class RunReport(FusionReport):
                                               if r.pass_name == name and r.status != FUSED and r.reason)
                 for why, k in reasons.most_common(3):
                     lines.append(f"      {k} x {why}")
+        for r in self.rolled_back:  # few, and each one is a rewrite fxfuse undid: always in full
+            lines.append(f"  [{r.status}] {r.pass_name}: {r.op}")
+            if r.reason:
+                lines.append(f"      why: {r.reason}")
+            if r.location:
+                lines.append(f"      at:  {r.location}")
         if self.graphs:
             lines.append("  graphs (per-site detail: fxfuse.reports()):")
             lines.extend(f"    {g.summary()}" for g in self.graphs)
