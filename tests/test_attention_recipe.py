@@ -118,6 +118,9 @@ def test_triton_recipe_path_with_64_bit_addresses(int64, monkeypatch):
 def test_key_span_is_each_rows_first_and_last_valid_key_and_holes():
     valid = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     assert launching.key_span(valid).tolist() == [[1, 5, 1, 0], [6, 0, 0, 0], [0, 6, 0, 0]]
+    assert launching.key_span(valid) is launching.key_span(valid)  # one computation per step's key_valid
+    valid[1, 2] = True  # modified in place: computed again
+    assert launching.key_span(valid).tolist()[1] == [2, 3, 0, 0]
 
 
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch):

@@ -15,6 +15,8 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
@@ -132,10 +134,26 @@ def recipe_args(doc_ranges, key_valid, like):
     return docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv
 
 
+_SPAN_CACHE = {}  # "last": (weakref to the key_valid tensor, its version, its span)
+
+
 def key_span(valid):
     """int32 [B, 4] per row of a bool [B, Skv]: (first True, last True + 1, 1 if a False lies between them, 0);
     (Skv, 0, 0, 0) for a row of False. The kernels skip the key blocks outside [first, end) and read the flags
-    only in the tiles at its edges, or everywhere in a row with holes."""
+    only in the tiles at its edges, or everywhere in a row with holes.
+
+    Every layer's forward and backward of a step get the same key_valid tensor (the recipe builds it once per
+    step), so the last span is kept while that very tensor is alive and unmodified (its version counter): a dozen
+    small kernels once per step instead of once per call."""
+    last = _SPAN_CACHE.get("last")
+    if last is not None and last[0]() is valid and last[1] == valid._version:
+        return last[2]
+    span = _key_span(valid)
+    _SPAN_CACHE["last"] = (weakref.ref(valid), valid._version, span)
+    return span
+
+
+def _key_span(valid):
     Skv = valid.shape[-1]
     idx = torch.arange(Skv, device=valid.device, dtype=torch.int32)
     first = torch.where(valid, idx, Skv).amin(-1)
