@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from fxfuse.kernels.launch_cache import CachedLauncher
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import launching
@@ -425,6 +426,11 @@ if HAVE_TRITON:
             old_v = tl.load(vp, mask=kv_mask, other=0.0).to(tl.float32)
             tl.store(vp, (old_v + dv).to(DV.dtype.element_ty), mask=kv_mask)
 
+    # launched through the stored binary after the first call (fxfuse.kernels.launch_cache: ~60 arguments)
+    _attn_bwd_pre_launch = CachedLauncher(_attn_bwd_pre)
+    _attn_bwd_dkdv_launch = CachedLauncher(_attn_bwd_dkdv)
+    _attn_bwd_dq_launch = CachedLauncher(_attn_bwd_dq)
+
 
 def _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap, BLOCK_D, dot32):
     """MASKED_ROWS_UNIFORM: add the fully masked rows' gradients (two launches; near-free without such rows)."""
@@ -458,7 +464,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     dot32 = interpreting() or q.dtype == torch.float32
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     PRE_M = 16 if interpreting() else 64
-    _attn_bwd_pre[(triton.cdiv(S, PRE_M), B * Hq)](out, do, delta, *out.stride(), *do.stride(), Hq, S,
+    _attn_bwd_pre_launch[(triton.cdiv(S, PRE_M), B * Hq)](out, do, delta, *out.stride(), *do.stride(), Hq, S,
                                                    HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=PRE_M)
     mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
     sc_mul, out_mul = score_scalars(scaling, softcap)
@@ -487,7 +493,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         q_desc, do_desc = tile_descriptor(q, [1, 1, BM, BLOCK_D]), tile_descriptor(do, [1, 1, BM, BLOCK_D])
         use_desc = q_desc is not None and do_desc is not None
         for do_dk, do_dv in passes:
-            _attn_bwd_dkdv[grid(triton.cdiv(Skv, BN), B * Hkv)](
+            _attn_bwd_dkdv_launch[grid(triton.cdiv(Skv, BN), B * Hkv)](
                 q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dk, dv, q_desc if use_desc else None,
                 do_desc if use_desc else None, *q.stride(), *k.stride(), *v.stride(), *ms,
                 *rs, sdb, sde, skb, ssb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S, int(window or 0), sc_mul,
@@ -497,7 +503,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        _attn_bwd_dq[grid(triton.cdiv(S, BM), B * Hq)](
+        _attn_bwd_dq_launch[grid(triton.cdiv(S, BM), B * Hq)](
             q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs,
             sdb, sde, skb, ssb, *do.stride(),
             *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from fxfuse.kernels.launch_cache import CachedLauncher
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
 
 from . import launching
@@ -141,6 +142,9 @@ if HAVE_TRITON:
                  acc.to(O.dtype.element_ty), mask=q_mask)
         tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
 
+    # launched through the stored binary after the first call (fxfuse.kernels.launch_cache: ~60 arguments)
+    _attn_fwd_launch = CachedLauncher(_attn_fwd)
+
 
 def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
                          masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
@@ -162,7 +166,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        _attn_fwd[grid(triton.cdiv(S, BM), B * Hq)](
+        _attn_fwd_launch[grid(triton.cdiv(S, BM), B * Hq)](
             q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb,
             sde, skb, ssb, *out.stride(),
             Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
