@@ -92,14 +92,80 @@ def time_loop(step, n, dev):
     return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6, e0.elapsed_time(e1) / n * 1e3
 
 
+def host_us(step, n=200, loops=5):
+    """Min over ``loops`` of the CPU time per call of ``step`` queued back to back (no sync inside a loop)."""
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def breakdown():
+    """Host time of each piece of fxfuse's forward + backward at 128 tokens (8 documents, head dim 128)."""
+    from fxfuse.attention import backward as bw, forward as fw
+    from fxfuse.attention.launching import needs_int64, recipe_args
+    from fxfuse.kernels.triton_support import tile_descriptor
+    dev = torch.device("cuda")
+    S, D = 128, 128
+    q, k, v, do = make_inputs(S, dev=dev)
+    dr = fxfuse.ops.document_ranges(doc_ids(S, dev))
+    op, bop = torch.ops.fxfuse.softcap_attention, torch.ops.fxfuse.softcap_attention_backward
+    sc = D ** -0.5
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = op(qd, kd, vd, None, sc, 0.0, True, 0, 0, dr, None)
+    rows = {}
+
+    def fwd_bwd():
+        o = op(q, k, v, None, sc, 0.0, True, 0, 0, dr, None)[0]
+        torch.autograd.grad(o, (q, k, v), do)
+
+    def trivial_grad():
+        torch.autograd.grad(q * 2.0, (q,), do)
+    pieces = dict(
+        fwd_bwd=fwd_bwd,
+        op_fwd_requires_grad=lambda: op(q, k, v, None, sc, 0.0, True, 0, 0, dr, None),
+        op_fwd_no_grad=lambda: op(qd, kd, vd, None, sc, 0.0, True, 0, 0, dr, None),
+        fwd_launcher=lambda: fw.attention_fwd_triton(qd, kd, vd, None, sc, 0.0, True, 0, doc_ranges=dr),
+        op_bwd=lambda: bop(do, qd, kd, vd, None, out, lse, sc, 0.0, True, 0, 0, dr, None),
+        bwd_launchers=lambda: bw.attention_bwd_triton(do, qd, kd, vd, None, out, lse, sc, 0.0, True, 0,
+                                                      doc_ranges=dr),
+        trivial_autograd_grad=trivial_grad,
+        empty_x3=lambda: (torch.empty(1, 32, S, D, device=dev, dtype=torch.bfloat16),) * 3,
+        tile_descriptor_x2=lambda: (tile_descriptor(qd, [1, 1, 64, 128]), tile_descriptor(do, [1, 1, 64, 128])),
+        needs_int64_x7=lambda: needs_int64(qd, kd, vd, do, qd, kd, vd, None),
+        recipe_args=lambda: recipe_args(dr, None, lse),
+    )
+    for fast in ("1", "0"):
+        os.environ["FXFUSE_TRITON_FAST_LAUNCH"] = fast
+        for name, fn in pieces.items():
+            rows[f"{name}{'' if fast == '1' else '_jit'}"] = round(host_us(fn), 1)
+    print("@@BREAKDOWN", json.dumps(rows), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--breakdown", action="store_true", help="host time of each piece at 128 tokens, then exit")
     ap.add_argument("--lengths", default="128,4096")
     ap.add_argument("--layouts", default="docs8,causal")
     ap.add_argument("--impls", default="fxfuse,fxfuse_jit,flex,sdpa_cudnn")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--out", default="attention-host-time-h200.json")
     args = ap.parse_args()
+    if args.breakdown:
+        rows = breakdown()
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            with open(os.path.join(out_dir, "host_breakdown.json"), "w") as fh:
+                json.dump(dict(versions(), commit=git_commit(), rows=rows), fh, indent=1)
+        return
     dev = torch.device("cuda")
     rows = []
     for layout in args.layouts.split(","):

@@ -1,13 +1,17 @@
-"""fxfuse.kernels.launch_cache: a stored Triton binary is reused only for arguments Triton would specialise the
-same way, and every other call takes the JIT path (which compiles and launches). The GPU runs the real thing in
-every attention test there; here a stand-in kernel records which path each call took."""
+"""fxfuse.kernels.launch_cache: a recorded launch is replayed with the new call's tensors in exactly the argument
+slots the recording call's tensors held, only for the same alignment, never keeping the recorded tensors alive,
+and not at all where it cannot be proven to be the same launch. On CPU a stand-in kernel records what each replay
+launched; the GPU runs the real thing in every attention test there (the launchers replay from their second
+call on)."""
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fxfuse.kernels import launch_cache
-from fxfuse.kernels.launch_cache import CachedLauncher
+from fxfuse.kernels.launch_cache import PlanCache, Recorder, Replay
 
 
 class _Binary:
@@ -20,82 +24,106 @@ class _Binary:
         self.launches = []
 
     def run(self, g0, g1, g2, stream, function, packed, launch_metadata, enter, exit_, *args):
-        self.launches.append(((g0, g1, g2), args))
+        self.launches.append(((g0, g1, g2), stream, args))
 
 
 class _Kernel:
-    """A stand-in @triton.jit function: (X, n, m, BLOCK: constexpr), m not specialised."""
+    """A stand-in @triton.jit function (X, Y, n, BLOCK: constexpr)."""
 
     def __init__(self):
-        self.params = [SimpleNamespace(name="X", is_constexpr=False, do_not_specialize=False),
-                       SimpleNamespace(name="n", is_constexpr=False, do_not_specialize=False),
-                       SimpleNamespace(name="m", is_constexpr=False, do_not_specialize=True),
-                       SimpleNamespace(name="BLOCK", is_constexpr=True, do_not_specialize=False)]
+        self.params = [SimpleNamespace(name=n, is_constexpr=n == "BLOCK") for n in ("X", "Y", "n", "BLOCK")]
         self.jit_calls = 0
-        self.binaries = []
+        self.binary = _Binary()
 
     def __getitem__(self, grid):
         def call(*args, **kwargs):
             self.jit_calls += 1
-            b = _Binary()
-            self.binaries.append(b)
-            return b
+            return self.binary
         return call
 
 
 @pytest.fixture
 def fast(monkeypatch):
     monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
     monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
 
 
-def test_reuses_the_binary_only_for_the_same_specialisation(fast):
-    k = _Kernel()
-    launch = CachedLauncher(k)
-    x = torch.zeros(64)
-    launch[(3, 2)](x, 32, 100, BLOCK=16, num_warps=4)       # compiles (JIT path)
-    launch[(5, 2)](x, 48, 101, BLOCK=16, num_warps=4)       # n % 16 == 0 again, m unspecialised: stored binary
-    assert k.jit_calls == 1 and launch.fast_hits == 1
-    (grid, args), = k.binaries[0].launches
-    assert grid == (5, 2, 1) and args[1:] == (48, 101, 16)  # every parameter in order, the constexpr included
-
-    launch[(5, 2)](x, 40, 100, BLOCK=16, num_warps=4)       # 40 % 16 != 0: another specialisation
-    launch[(5, 2)](x, 1, 100, BLOCK=16, num_warps=4)        # == 1 is specialised too
-    launch[(5, 2)](x, 32, 100, BLOCK=32, num_warps=4)       # another constexpr
-    launch[(5, 2)](x, 32, 100, BLOCK=16, num_warps=8)       # another launch option
-    launch[(5, 2)](x.half(), 32, 100, BLOCK=16, num_warps=4)  # another dtype
-    launch[(5, 2)](x[1:], 32, 100, BLOCK=16, num_warps=4)   # a base that is not 16-byte aligned
-    launch[(5, 2)](x, 32, 2**31, BLOCK=16, num_warps=4)     # an int that needs 64 bits, even unspecialised
-    assert k.jit_calls == 8 and launch.fast_hits == 1
-
-    launch[(1,)](x, 64, 5, BLOCK=16, num_warps=4)           # the first key again
-    assert k.jit_calls == 8 and launch.fast_hits == 2
+def _record(kern, x, y, n=32):
+    rec = Recorder()
+    rec.launch(kern, (3, 2), (x, y, n), dict(BLOCK=16, num_warps=4))
+    return rec
 
 
-def test_jit_path_when_disabled_or_hooked(fast, monkeypatch):
-    k = _Kernel()
-    launch = CachedLauncher(k)
-    x = torch.zeros(64)
-    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: False)  # a profiler's launch hook is installed
-    for _ in range(3):
-        launch[(1,)](x, 32, 1, BLOCK=16)
-    assert k.jit_calls == 3 and launch.fast_hits == 0
-    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
-    monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: False)  # FXFUSE_TRITON_FAST_LAUNCH=0
-    launch[(1,)](x, 32, 1, BLOCK=16)
-    launch[(1,)](x, 32, 1, BLOCK=16)
-    assert k.jit_calls == 5 and launch.fast_hits == 0
+def test_replay_puts_each_role_in_its_slot(fast):
+    kern = _Kernel()
+    x, y = torch.zeros(64), torch.ones(64)
+    cache = PlanCache()
+    cache.store("sig", (y, x), _record(kern, x, y))         # roles: (out=y, in=x)
+    assert kern.jit_calls == 1
+    x2, y2 = torch.zeros(64), torch.ones(64)
+    replay = cache.lookup("sig", (y2, x2))
+    assert replay is not None and replay((y2, x2), 0)
+    (grid, stream, args), = kern.binary.launches
+    assert grid == (3, 2, 1) and stream == 7
+    assert args[0] is x2 and args[1] is y2 and args[2:] == (32, 16)  # every parameter in order, constexpr too
+    assert kern.jit_calls == 1 and replay.launches == 1
+    assert cache.lookup("other signature", (y2, x2)) is None
 
 
-def test_unknown_argument_kinds_take_the_jit_path(fast):
-    k = _Kernel()
-    launch = CachedLauncher(k)
-    for _ in range(2):
-        launch[(1,)](object(), 32, 1, BLOCK=16)
-    assert k.jit_calls == 2 and launch.fast_hits == 0
+def test_alignment_is_part_of_the_key(fast):
+    kern = _Kernel()
+    x, y = torch.zeros(64), torch.zeros(64)
+    cache = PlanCache()
+    cache.store("sig", (x, y), _record(kern, x, y))
+    assert cache.lookup("sig", (x[1:], y)) is None  # a base that is not 16-byte aligned: Triton specialises on it
+    assert cache.lookup("sig", (x[4:], y)) is not None
 
 
-def test_interpreter_never_takes_the_fast_path(monkeypatch):
+def test_recorded_tensors_are_not_kept_alive(fast):
+    kern = _Kernel()
+    x, y = torch.zeros(64), torch.zeros(64)
+    cache = PlanCache()
+    cache.store("sig", (x, y), _record(kern, x, y))
+    gone = weakref.ref(x)
+    del x
+    gc.collect()
+    assert gone() is None
+
+
+def test_what_cannot_be_replayed(fast):
+    kern = _Kernel()
+    x, y, z = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    assert Replay.of(_record(kern, x, z), (x, y)) is None      # z is no role: it would be launched stale
+    rec = Recorder()
+    rec.launch(kern, lambda meta: (1,), (x, y, 1), dict(BLOCK=16))
+    assert Replay.of(rec, (x, y)) is None                      # a callable grid
+    # one tensor in two roles when recorded: a replay whose roles differ there must not launch
+    replay = Replay.of(_record(kern, x, x), (x, x))
+    assert replay is not None
+    assert not replay((x, y), 0) and kern.binary.launches == []
+    assert replay((y, y), 0) and len(kern.binary.launches) == 1
+
+
+def test_attempt_forgets_launches_of_a_failed_config():
+    kern = _Kernel()
+    rec = Recorder()
+    x = torch.zeros(4)
+    with pytest.raises(RuntimeError):
+        with rec.attempt():
+            rec.launch(kern, (1,), (x, x, 1), dict(BLOCK=16))
+            raise RuntimeError("out of resources")
+    assert rec.calls == []
+
+
+def test_no_replays_where_disabled(monkeypatch):
+    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
+    kern = _Kernel()
+    x, y = torch.zeros(64), torch.zeros(64)
+    cache = PlanCache()
+    monkeypatch.setenv("FXFUSE_TRITON_FAST_LAUNCH", "0")
+    cache.store("sig", (x, y), _record(kern, x, y))
+    assert cache.lookup("sig", (x, y)) is None
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FXFUSE_TRITON_FAST_LAUNCH", "1")
     assert not launch_cache.fast_launch_enabled()

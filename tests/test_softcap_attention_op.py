@@ -349,3 +349,41 @@ def test_autocast_casts_q_k_v_like_the_matmuls_it_replaces():
         out.float().backward(do)  # gradients flow back to the fp32 leaves through the casts
         assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
         q.grad = k.grad = v.grad = None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="replays launch compiled binaries: CUDA only (the "
+                    "record / replay logic itself: test_launch_cache.py)")
+@pytest.mark.parametrize("layout", ["docs", "padded", "window_softcap"])
+def test_replayed_launches_equal_the_jit_path(layout, monkeypatch):
+    """From the second call with a signature on, the launchers replay their recorded launches with the new
+    tensors: values and gradients must be those of the ordinary JIT path, bit for bit, on fresh data."""
+    import fxfuse.ops
+    from fxfuse.attention import backward as bw, forward as fw
+
+    dev, B, Hq, Hkv, S, D = "cuda", 2, 4, 2, 300, 64
+    doc_ranges = key_valid = None
+    softcap, window = 0.0, 0
+    if layout == "docs":
+        doc_ranges = fxfuse.ops.document_ranges((torch.arange(S, device=dev) * 3 // S).expand(B, S))
+    elif layout == "padded":
+        key_valid = torch.arange(S, device=dev)[None, :] < torch.tensor([[S], [S // 3]], device=dev)
+    else:
+        softcap, window = 30.0, 77
+
+    def run(seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        q, k, v = (torch.randn(B, h, S, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+                   for h in (Hq, Hkv, Hkv))
+        do = torch.randn(B, Hq, S, D, device=dev, dtype=torch.bfloat16, generator=g)
+        out = torch.ops.fxfuse.softcap_attention(q, k, v, None, D ** -0.5, softcap, True, window, 0, doc_ranges,
+                                                 key_valid)[0]
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    run(0)  # records
+    f0, b0 = sum(r.launches for r in fw._PLANS.replays.values()), sum(r.launches for r in bw._PLANS.replays.values())
+    replayed = run(1)
+    assert sum(r.launches for r in fw._PLANS.replays.values()) == f0 + 1
+    assert sum(r.launches for r in bw._PLANS.replays.values()) == b0 + 1
+    monkeypatch.setenv("FXFUSE_TRITON_FAST_LAUNCH", "0")
+    for a, b in zip(replayed, run(1)):
+        assert torch.equal(a, b)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from fxfuse.kernels.launch_cache import CachedLauncher
+from fxfuse.kernels.launch_cache import PlanCache, Recorder
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
 
 from . import launching
 from .block_map import mask_block_ranges_of, q_block_key_ranges_of, use_mask_ranges
 from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
-                        recipe_args, score_scalars, softcap_mode)
+                        plan_key, recipe_args, recipe_tensors, score_scalars, softcap_mode)
 from .reference import expand_mask, value_mean
 from .scores import dot, dot_acc, load_tile, masked_scores
 
@@ -142,41 +142,53 @@ if HAVE_TRITON:
                  acc.to(O.dtype.element_ty), mask=q_mask)
         tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
 
-    # launched through the stored binary after the first call (fxfuse.kernels.launch_cache: ~60 arguments)
-    _attn_fwd_launch = CachedLauncher(_attn_fwd)
+
+# Replays of the launch by call signature (fxfuse.kernels.launch_cache): a call whose shapes, strides, dtypes and
+# scalars were seen before skips this module's Python and Triton's binding and launches the recorded binary.
+_PLANS = PlanCache()
 
 
 def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
                          masked_rows=MASKED_ROWS_ZERO, doc_ranges=None, key_valid=None):
     """Launch ``_attn_fwd``. Returns (out contiguous [B, Hq, S, Dh], lse [B, Hq, S] fp32)."""
     B, Hq, S, Dh = q.shape
+    key = plan_key("fwd", q, k, v, mask, config, scaling, softcap, causal, window, masked_rows, doc_ranges,
+                   key_valid)
+    out = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
+    docs, kvv, span = recipe_tensors(doc_ranges, key_valid, lse)
+    roles = (q, k, v, docs, kvv, span, out, lse)
+    replay = _PLANS.lookup(key, roles)
+    if replay is not None and replay(roles, q.device.index):
+        return out, lse
+
     Hkv, Skv = k.shape[1], k.shape[2]
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
     cfg = config_for("fwd", BLOCK_D, q.dtype, config)
-    out = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
     sc_mul, out_mul = score_scalars(scaling, softcap)
 
     ranges = use_mask_ranges(kind, causal, window)
     vmean = value_mean(v, Hq // Hkv).contiguous() if masked_rows == MASKED_ROWS_UNIFORM else lse
-    docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse)
+    _, sdb, sde, _, skb, _, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse, (docs, kvv, span))
     int64 = needs_int64(q, k, v, out, expand_mask(mask, B, Hq, S, Skv))
+    rec = Recorder()
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        _attn_fwd_launch[grid(triton.cdiv(S, BM), B * Hq)](
+        rec.launch(_attn_fwd, grid(triton.cdiv(S, BM), B * Hq), (
             q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb,
             sde, skb, ssb, *out.stride(),
-            Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul,
+            Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul), dict(
             HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
             MASK_KIND=kind,
             IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
             DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
             BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
-            INT64=int64, num_warps=nw, num_stages=ns)
+            INT64=int64, num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)
+    _PLANS.store(key, roles, rec)
     return out, lse

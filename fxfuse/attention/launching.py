@@ -21,11 +21,11 @@ import torch
 
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
 
-from .conventions import LOG2E
+from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -112,26 +112,49 @@ def mask_args(mask, B, Hq, S, Skv, like):
     return m, tuple(st), 1
 
 
-def recipe_args(doc_ranges, key_valid, like):
+def recipe_tensors(doc_ranges, key_valid, like):
+    """The recipe vectors as the kernels read them: (docs int32 [2, B|1, S], key-valid flags uint8 [B|1, Skv],
+    kv_span int32 [B|1, 4]); ``like`` stands in for an absent one (a dummy pointer)."""
+    docs = like if doc_ranges is None else doc_ranges.to(torch.int32).contiguous()
+    if key_valid is None:
+        return docs, like, like
+    valid = key_valid.to(torch.bool).contiguous()
+    return docs, valid.view(torch.uint8), key_span(valid)
+
+
+def recipe_args(doc_ranges, key_valid, like, tensors=None):
     """The recipe vectors as kernel arguments: (docs, stride_docb, stride_doce, kvv, stride_kvvb, kv_span,
     stride_spanb, HAS_DOCS, HAS_KVV). ``doc_ranges`` int [2, B|1, S] (start, end of each token's document),
     ``key_valid`` bool [B|1, Skv]; a batch of 1 broadcasts (stride 0). O(B x S) each; absent ones are replaced by
     a dummy pointer. ``kv_span`` int32 [B|1, 4] (:func:`key_span`): each row's first valid key, last valid key + 1
     and whether padding lies between them, so that the kernels skip the key blocks padding fills (right / left
     padding: a padded row of length L costs about L^2 / 2 of causal work, not S^2 / 2) and read the padding flags
-    only where a tile can hold some; computed on the device, no host sync."""
-    docs, sdb, sde, has_docs = like, 0, 0, False
+    only where a tile can hold some; computed on the device, no host sync. ``tensors``: what
+    :func:`recipe_tensors` already gave for these arguments."""
+    docs, kvv, span = tensors if tensors is not None else recipe_tensors(doc_ranges, key_valid, like)
+    sdb = sde = skb = ssb = 0
     if doc_ranges is not None:
-        docs = doc_ranges.to(torch.int32).contiguous()
         sdb = docs.stride(1) if docs.shape[1] > 1 else 0
-        sde, has_docs = docs.stride(0), True
-    kvv, skb, span, ssb, has_kvv = like, 0, like, 0, False
+        sde = docs.stride(0)
     if key_valid is not None:
-        valid = key_valid.to(torch.bool).contiguous()
-        kvv = valid.view(torch.uint8)
-        skb, has_kvv = (kvv.stride(0) if kvv.shape[0] > 1 else 0), True
-        span, ssb = key_span(valid), (4 if kvv.shape[0] > 1 else 0)
-    return docs, sdb, sde, kvv, skb, span, ssb, has_docs, has_kvv
+        skb = kvv.stride(0) if kvv.shape[0] > 1 else 0
+        ssb = 4 if kvv.shape[0] > 1 else 0
+    return docs, sdb, sde, kvv, skb, span, ssb, doc_ranges is not None, key_valid is not None
+
+
+def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, masked_rows, doc_ranges, key_valid,
+             *extra):
+    """What decides every argument of a launcher's Triton launches except the role tensors themselves (see
+    fxfuse.kernels.launch_cache): shapes, strides, dtypes, device, scalars, which recipe vectors are given and
+    their layouts, and this module's switches. None (no replay) for a mask tensor (its block ranges are computed
+    per call), an explicit config, or masked_rows="uniform" (its value mean is computed per call)."""
+    if mask is not None or config is not None or masked_rows == MASKED_ROWS_UNIFORM:
+        return None
+    dr = None if doc_ranges is None else (doc_ranges.shape, doc_ranges.stride())
+    kv = None if key_valid is None else (key_valid.shape, key_valid.stride())
+    return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+            q.device, scaling, softcap, causal, window, masked_rows, dr, kv, BLOCK_MAJOR_GRID, FAST_TANH, FORCE_INT64,
+            extra)
 
 
 _SPAN_CACHE = {}  # "last": (weakref to the key_valid tensor, its version, its span)

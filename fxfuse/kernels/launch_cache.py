@@ -1,44 +1,47 @@
-"""Launch a ``@triton.jit`` kernel through its compiled binary, skipping the JIT's per-call work.
+"""Replay a kernel launcher's Triton launches through their compiled binaries, skipping the Python around them.
 
-``kernel[grid](*args, **kwargs)`` binds every argument, asks Triton's specialiser about each one, builds a cache
-key from the list, looks the binary up and assembles launch metadata for the profiler hooks, on every call. For
-fxfuse's attention kernels (60-odd arguments each, four launches per forward + backward) that is host time the
-GPU never sees: at a few thousand tokens the op was bound by it (benchmarks/attention_notes.md, session 5).
+A launcher such as :func:`fxfuse.attention.forward.attention_fwd_triton` spends most of its host time on work
+that depends only on the shapes, strides, dtypes and scalars of the call: tile configs, strides, 64-bit address
+checks, grids, and Triton's own per-launch binding and specialisation of 60-odd arguments. On the H200 machine
+that was ~0.1 ms per forward and ~0.3 ms per backward of Python (benchmarks/attention_notes.md, session 5),
+against a few microseconds of GPU work per kernel at a few thousand tokens.
 
-:class:`CachedLauncher` keeps the binary Triton compiled, keyed by everything that decides Triton's
-specialisation of the arguments, computed here in one pass: each tensor's dtype and 16-byte alignment, each
-specialised int's ``== 1`` and ``% 16 == 0``, each int's width (32 or 64 bits), each constexpr's value, a tensor
-descriptor's dtype, shape, strides and block, and the launch options. Our key is never coarser than Triton's
-(two calls with one key get one specialisation), so a hit can launch the stored binary directly; a miss, any
-argument of a kind not listed, a profiler hook, or the interpreter take the ordinary ``kernel[grid]`` path.
-This is what Inductor's generated launchers do for its own kernels (they call the compiled binary's ``run``).
+So a launcher records its launches once (:class:`Recorder`: the ordinary ``kernel[grid](...)`` call, which
+compiles where needed, and the binary it returned), and stores them as a :class:`Replay` under a key of
+everything that decided them (the launcher builds the key; :class:`PlanCache`). A later call with the same key
+allocates its outputs and hands over only its tensors ("roles": q, k, v, out, ...); each recorded argument that
+*was* one of the recording call's role tensors is replaced by the new one, every other argument stays as
+recorded, and the binary is launched directly (what Inductor's generated launchers do for its own kernels).
+Triton specialises pointer arguments on 16-byte alignment, so the roles' alignment is part of the key.
 
-``FXFUSE_TRITON_FAST_LAUNCH=0`` turns it off (every launch through the JIT).
+Replays are off under the interpreter, with a launch hook installed (profilers), or with
+``FXFUSE_TRITON_FAST_LAUNCH=0``: then every launch goes through the JIT.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from .triton_support import HAVE_TRITON, interpreting
 
-__all__ = ["CachedLauncher", "fast_launch_enabled"]
+__all__ = ["Recorder", "Replay", "PlanCache", "fast_launch_enabled", "rebase_descriptor"]
 
-_I32 = (-(2**31), 2**31 - 1)
+try:
+    from triton import knobs as _knobs
+except Exception:  # pragma: no cover - triton without knobs (older) or none: no replays
+    _knobs = None
 
 
 def fast_launch_enabled() -> bool:
-    return HAVE_TRITON and os.environ.get("FXFUSE_TRITON_FAST_LAUNCH", "1") not in ("0", "") and not interpreting()
+    return (_knobs is not None and os.environ.get("FXFUSE_TRITON_FAST_LAUNCH", "1") not in ("0", "")
+            and not interpreting())
 
 
 def _hooks_idle() -> bool:
     """No launch hook installed (a profiler such as proton adds them; then every launch takes the JIT path)."""
-    try:
-        from triton import knobs
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    except Exception:  # pragma: no cover - triton without knobs
-        return False
+    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
     return all(h is None or (hasattr(h, "calls") and not h.calls) for h in hooks)
 
 
@@ -47,79 +50,133 @@ def _raw_stream(device: int) -> int:
     return getter(device) if getter is not None else torch.cuda.current_stream(device).cuda_stream
 
 
-class _Unkeyable(Exception):
-    """An argument whose specialisation this module does not model: launch through the JIT."""
+def _alignment(roles) -> int:
+    """Bit i set where role i is a tensor whose data is 16-byte aligned (a tensor descriptor's base is one of
+    the roles too, so its own alignment is already in the key)."""
+    mask = 0
+    bit = 1
+    for t in roles:
+        if t is not None and isinstance(t, torch.Tensor) and t.data_ptr() % 16 == 0:
+            mask |= bit
+        bit <<= 1
+    return mask
 
 
-def _int_key(a: int, specialise: bool):
-    wide = not (_I32[0] <= a <= _I32[1])
-    if specialise:
-        return (wide, a == 1, a % 16 == 0)
-    return (wide,)
+def rebase_descriptor(desc, t):
+    """``desc`` (a host TensorDescriptor) over tensor ``t`` of the same shape and strides, without the
+    constructor's checks (the recording call ran them on a tensor laid out the same way)."""
+    d = object.__new__(type(desc))
+    d.__dict__.update(desc.__dict__)
+    d.base = t
+    return d
 
 
-def _desc_key(d):
-    base = d.base
-    return ("desc", base.dtype, base.data_ptr() % 16 == 0, tuple(d.block_shape), d.padding,
-            tuple(int(s) % 16 == 0 for s in d.strides), tuple(int(s) % 16 == 0 for s in d.shape),
-            tuple(int(s) == 1 for s in d.shape), any(not (_I32[0] <= int(s) <= _I32[1]) for s in d.shape))
+class Recorder:
+    """Launches ``fn[grid](*args, **kwargs)`` and keeps what it needs to replay them."""
 
+    def __init__(self):
+        self.calls = []
 
-class CachedLauncher:
-    """``CachedLauncher(kernel)[grid](*args, **kwargs)``: the same call as ``kernel[grid](...)``, through the stored
-    binary where one fits these arguments. ``grid`` must be a tuple (not a callable)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        params = getattr(fn, "params", None)  # None under the interpreter (an InterpretedFunction): JIT path only
-        self.names = [p.name for p in params] if params is not None else None
-        # per parameter: 0 constexpr, 1 specialised, 2 not specialised (do_not_specialize)
-        self.kinds = [0 if p.is_constexpr else (2 if p.do_not_specialize else 1) for p in params or ()]
-        self.binaries = {}
-        self.fast_hits = 0  # launches that skipped the JIT (tests read it)
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.run(grid, args, kwargs)
-
-    def _key(self, full, options):
-        key = [options]
-        for a, kind in zip(full, self.kinds):
-            if kind == 0:
-                key.append(a)
-            elif a is None or isinstance(a, bool):
-                key.append(a if a is None else bool)
-            elif isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.data_ptr() % 16 == 0))
-            elif isinstance(a, int):
-                key.append(_int_key(a, kind == 1))
-            elif isinstance(a, float):
-                key.append(float)
-            elif type(a).__name__ == "TensorDescriptor":
-                key.append(_desc_key(a))
-            else:
-                raise _Unkeyable(type(a).__name__)
-        return tuple(key)
-
-    def run(self, grid, args, kwargs):
-        if self.names is None or not fast_launch_enabled() or not isinstance(grid, tuple) or not _hooks_idle():
-            return self.fn[grid](*args, **kwargs)
-        try:
-            full = list(args) + [kwargs[n] for n in self.names[len(args):]]
-            options = tuple(sorted((k, v) for k, v in kwargs.items() if k not in self.names))
-            device = torch.cuda.current_device()
-            key = (device, self._key(full, options))
-        except (KeyError, _Unkeyable, TypeError):
-            return self.fn[grid](*args, **kwargs)
-        binary = self.binaries.get(key)
-        if binary is None:
-            binary = self.fn[grid](*args, **kwargs)
-            if binary is not None and not hasattr(binary, "result") and hasattr(binary, "packed_metadata"):
-                self.binaries[key] = binary
-            return binary
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = _raw_stream(device)
-        binary.run(g0, g1, g2, stream, binary.function, binary.packed_metadata, None, None, None, *full)
-        self.fast_hits += 1
+    def launch(self, fn, grid, args, kwargs):
+        binary = fn[grid](*args, **kwargs)
+        self.calls.append((fn, grid, args, kwargs, binary))
         return binary
+
+    @contextlib.contextmanager
+    def attempt(self):
+        """Launches that stand or fall together: if one raises (a config that does not fit, retried with
+        another), the ones before it are forgotten too."""
+        n = len(self.calls)
+        try:
+            yield
+        except BaseException:
+            del self.calls[n:]
+            raise
+
+
+class _ReplayedCall:
+    __slots__ = ("binary", "grid", "template", "slots")
+
+    def __init__(self, binary, grid, template, slots):
+        self.binary, self.grid, self.template, self.slots = binary, grid, template, slots
+
+
+class Replay:
+    """The recorded launches, launched again with new role tensors (:meth:`__call__`)."""
+
+    def __init__(self, calls, aliases=()):
+        self.calls = calls
+        self.aliases = aliases
+        self.launches = 0  # tests read it
+
+    @classmethod
+    def of(cls, recorder, roles):
+        """None where a launch cannot be replayed: an argument tensor that is no role, a callable grid, or a
+        binary that is not a plain compiled kernel."""
+        ids = {}
+        aliases = []  # (i, j): role i was the very tensor of role j < i (a dummy, or k passed as v)
+        for i, t in enumerate(roles):
+            if t is not None:
+                if id(t) in ids:
+                    aliases.append((i, ids[id(t)]))
+                else:
+                    ids[id(t)] = i
+        calls = []
+        for fn, grid, args, kwargs, binary in recorder.calls:
+            params = getattr(fn, "params", None)
+            if (params is None or binary is None or hasattr(binary, "result")
+                    or not hasattr(binary, "packed_metadata") or not isinstance(grid, tuple)):
+                return None
+            names = [p.name for p in params]
+            try:
+                template = list(args) + [kwargs[n] for n in names[len(args):]]
+            except KeyError:  # a parameter left to its default: not modelled
+                return None
+            slots = []
+            for pos, a in enumerate(template):
+                if isinstance(a, torch.Tensor) or type(a).__name__ == "TensorDescriptor":
+                    if id(a) not in ids:
+                        return None
+                    slots.append((pos, ids[id(a)]))
+                    template[pos] = None  # the recording call's tensors are not kept alive
+            g = tuple(grid) + (1,) * (3 - len(grid))
+            calls.append(_ReplayedCall(binary, g, template, tuple(slots)))
+        return cls(calls, tuple(aliases))
+
+    def __call__(self, roles, device) -> bool:
+        """Launch; False (nothing launched) where roles that were one tensor when recorded are not now: each
+        argument slot then reads one role, so the caller must take its ordinary path."""
+        for i, j in self.aliases:
+            if roles[i] is not roles[j]:
+                return False
+        stream = _raw_stream(device)
+        for c in self.calls:
+            full = c.template[:]
+            for pos, i in c.slots:
+                full[pos] = roles[i]
+            b = c.binary
+            b.run(c.grid[0], c.grid[1], c.grid[2], stream, b.function, b.packed_metadata, None, None, None, *full)
+        self.launches += 1
+        return True
+
+
+class PlanCache:
+    """Replays by (launcher's key, the roles' alignment)."""
+
+    def __init__(self, max_entries=256):
+        self.replays = {}
+        self.max_entries = max_entries
+
+    def lookup(self, key, roles):
+        if key is None or not fast_launch_enabled() or not _hooks_idle():
+            return None
+        return self.replays.get((key, _alignment(roles)))
+
+    def store(self, key, roles, recorder):
+        if key is None or not fast_launch_enabled():
+            return
+        replay = Replay.of(recorder, roles)
+        if replay is not None:
+            if len(self.replays) >= self.max_entries:  # many distinct shapes: start over rather than grow
+                self.replays.clear()
+            self.replays[(key, _alignment(roles))] = replay
