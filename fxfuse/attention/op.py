@@ -307,8 +307,9 @@ def softcap_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Optional[Tensor]
     modes = MASKED_ROWS
     if masked_rows not in modes:
         OpContract(OP_NAME, q=q).fail(f"masked_rows must be one of {tuple(modes)}, got {masked_rows!r}")
-    check_softcap_attention(q, k, v, mask, scaling, softcap, causal, window, modes[masked_rows], doc_ranges,
-                            key_valid)
+    # traced by Dynamo (symbolic sizes): the plain check; eager: once per signature
+    check = check_softcap_attention if torch.compiler.is_compiling() else _check_once
+    check(q, k, v, mask, scaling, softcap, causal, window, modes[masked_rows], doc_ranges, key_valid)
     if mask is not None and mask.requires_grad:
         OpContract(OP_NAME, mask=mask).fail("mask must not require grad (the op gives it no gradient)")
     if kernel not in dispatch.KERNELS:
