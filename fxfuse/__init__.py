@@ -45,6 +45,11 @@ except ImportError:
 from .api import clear_reports, compile, report, reports  # noqa: E402  (compile: fxfuse.compile, not the builtin)
 from .inductor_hook import install, uninstall  # noqa: E402
 from .regions import compile_regions, undo_compile_regions  # noqa: E402
+from .ops.trl_fused_head import install_trl_shim_on_import as _install_trl_shim  # noqa: E402
+
+# TRL's fused lm-head becomes one graph node instead of a graph break (fxfuse.ops.trl_fused_head): now if TRL's
+# trainers are imported, else as soon as they are.
+_install_trl_shim()
 
 __all__ = [
     "compile", "compile_regions", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",

@@ -33,12 +33,17 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     described in :mod:`fxfuse.options`.
     """
     from torch._guards import detect_fake_mode
+
+    from .ops.trl_fused_head import install_trl_shim
     from torch._inductor.compile_fx import compile_fx
 
     try:
         opts = FxFuseOptions.parse(options)
     except FxFuseError as e:  # reach the user as it is, not wrapped in Dynamo's BackendCompilerFailed
         raise raised_through_dynamo(e) from None
+    # TRL imported after fxfuse: its fused lm-head becomes one node from the next trace on (Dynamo guards on the
+    # global the shim replaces, so the frame that broke at it recompiles once)
+    install_trl_shim()
     manager = PassManager(opts, entry_point="backend", can_substitute_outputs=True)
     rep, subs = manager.run(gm, example_inputs, detect_fake_mode(example_inputs))
     # a fused op's contract error at run time is told at the site's source line (see fxfuse.site_errors)

@@ -207,6 +207,9 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
     global _INSTALLED, _PREVIOUS
     import torch._inductor.config as ic
 
+    from .ops.trl_fused_head import install_trl_shim
+
+    install_trl_shim()  # TRL's fused lm-head as one node (a no-op without TRL)
     why = _hook_support()
     if why:
         raise FxFuseError(f"fxfuse.install() is not possible here: {why}; compile with torch.compile(model, "

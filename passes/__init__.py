@@ -20,6 +20,7 @@ PASS_ORDER = (
     "sdpa_attention",
     "softcap_attention",
     # The lm head last: its patterns start at the final hidden state, after every decoder layer.
+    "trl_fused_head",       # TRL's own fused head (one node, fxfuse's shim of it) -> linear_log_probs
     "linear_cross_entropy",
     "linear_log_probs",     # log-prob / entropy chains; a cross-entropy loss is linear_cross_entropy's
 )
