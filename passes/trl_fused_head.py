@@ -4,12 +4,12 @@
 TRL's trainers run the lm-head through their own chunked kernel (``model(..., fused_lm_head=True)``): per-token
 log-probs of the targets, and, as the trainer asks, the entropy (GRPO, SFT's metrics), ``log sum p^2`` (DPO's
 WPO weighting), the mean logit (DPO / KTO metrics) and whether the target is the argmax (SFT's
-``mean_token_accuracy``). Where the graph reads only the log-probs and the entropy, fxfuse's op computes them
-(same transform: ``z = softcap(logit_scale * x) / T`` is ``softcap_{c/s}(x) / (T / s)`` for a scale s > 0) and the
-node is rewritten; it is measured faster and leaner on the H200 (issue 30: Llama-3-8B head, 8192 tokens, TRL's
-kernel 54.4 ms / 2.33 GiB extra, fxfuse's op 40.6 ms / 0.245 GiB for the SFT loss; log-probs + entropy 54.9 ms
-both, 2.33 vs 0.245 GiB). Where the graph reads anything else, TRL's kernel stays (now inside the graph, no graph
-break), and the report says which outputs kept it.
+``mean_token_accuracy``). fxfuse's op computes every one of them (same transform: ``z = softcap(logit_scale * x) /
+T`` is ``softcap_{c/s}(x) / (T / s)`` for a scale s > 0; the same first-maximum rule for ``is_top1``), so the node
+is rewritten wherever the dtypes and scalars allow: fxfuse's op holds one logits chunk (0.245 GiB at the
+Llama-3-8B head) where TRL's kernel holds fp32 gradient accumulators (2.33 GiB), at about its speed (H200 rows in
+``benchmarks/results/h200-trl-head-*.jsonl``). Where it cannot be rewritten, TRL's kernel stays (inside the graph,
+no graph break), and the report says why.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ from ._logit_chain import CHUNK_BYTES_OPTION, chunk_bytes_option
 
 NAME = "trl_fused_head"
 _OUTPUT_NAMES = ("log_probs",) + OPTIONAL_OUTPUTS  # getitem index -> what it is (5: log_z, internal)
+# TRL's output index -> fxfuse::linear_log_probs's (logp, entropy, is_top1, mean_logits, log_sum_sq_probs)
+_TO_FXFUSE = {0: 0, 1: 1, 2: 4, 3: 3, 4: 2}
 
 
 def _is_trl_node(n: fx.Node) -> bool:
@@ -52,11 +54,9 @@ def _rewrite(g: fx.Graph, node: fx.Node, ctx) -> bool:
             return False
         getitems.setdefault(u.args[1], []).append(u)
     used = sorted(i for i, us in getitems.items() if any(x.users for x in us))
-    other = [_OUTPUT_NAMES[i] if i < len(_OUTPUT_NAMES) else "log_z" for i in used if i not in (0, 1)]
-    if other:
-        ctx.skipped(node, what, f"TRL's kernel kept: the graph reads {', '.join(other)}, which "
-                                "fxfuse::linear_log_probs does not compute (it gives log-probs and entropy)",
-                    outputs=[_OUTPUT_NAMES[i] for i in used])
+    if any(i not in _TO_FXFUSE for i in used):
+        ctx.skipped(node, what, "TRL's kernel kept: the graph reads its internal log_z output",
+                    outputs=[_OUTPUT_NAMES[i] if i < len(_OUTPUT_NAMES) else "log_z" for i in used])
         return False
     hv, wv = node_val(a["hidden"]), node_val(a["weight"])
     if not isinstance(hv, torch.Tensor) or not isinstance(wv, torch.Tensor):
@@ -83,28 +83,29 @@ def _rewrite(g: fx.Graph, node: fx.Node, ctx) -> bool:
     with g.inserting_before(node):
         fused = g.call_function(torch.ops.fxfuse.linear_log_probs.default,
                                 (a["hidden"], a["weight"], a["targets"], a["bias"], op_temperature, op_softcap,
-                                 entropy, chunk_bytes_option(ctx)))
+                                 entropy, chunk_bytes_option(ctx), 4 in used, 3 in used, 2 in used))
         copy_node_meta(fused, node)
     for i, us in getitems.items():
         for u in us:
-            if i in (0, 1) and u.users:
+            if u.users:
                 with g.inserting_before(u):
-                    new = g.call_function(operator.getitem, (fused, i))
+                    new = g.call_function(operator.getitem, (fused, _TO_FXFUSE[i]))
                     copy_node_meta(new, u)
                 u.replace_all_uses_with(new)
             g.erase_node(u)
     g.erase_node(node)
     n, v = numel_hint(hv) // max(1, hv.shape[-1]) if hv.dim() else 0, wv.shape[0]
-    ctx.fused(fused, f"{what} -> fxfuse::linear_log_probs (log-probs{' + entropy' if entropy else ''}; "
+    outputs = [_OUTPUT_NAMES[i] for i in used]
+    ctx.fused(fused, f"{what} -> fxfuse::linear_log_probs ({' + '.join(outputs) or 'nothing read'}; "
                      f"temperature {temperature:g}, logit_scale {scale:g}"
                      f"{', softcap ' + format(softcap, 'g') if softcap else ''})",
-              saved_bytes=None, tokens_x_vocab=f"{n} x {v}", entropy=entropy)
+              saved_bytes=None, tokens_x_vocab=f"{n} x {v}", entropy=entropy, outputs=outputs)
     return True
 
 
 @register_pass(name=NAME,
                description="TRL's fused lm-head node (fxfuse's shim of ChunkedLogProbFunction) -> "
-                           "fxfuse::linear_log_probs where only log-probs / entropy are read",
+                           "fxfuse::linear_log_probs (log-probs, entropy, is_top1, mean logits, log sum p^2)",
                options={"chunk_bytes": CHUNK_BYTES_OPTION})
 def trl_fused_head_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0

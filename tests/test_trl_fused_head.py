@@ -1,8 +1,8 @@
 """TRL's fused lm-head (``trl.trainer.utils.add_fused_lm_head``: the backbone, then TRL's chunked
 ``ChunkedLogProbFunction``) under ``torch.compile(backend="fxfuse")``: fxfuse's shim makes it one graph node, no
-graph break; where the graph reads only log-probs and entropy (GRPO, reference models) the node becomes
-``fxfuse::linear_log_probs``, where it reads more (SFT's ``is_top1``) TRL's kernel runs in the graph and the report
-says why. Loss and every gradient equal eager's (fp32)."""
+graph break, and the node becomes ``fxfuse::linear_log_probs`` for every output set TRL's trainers ask for (GRPO's
+log-probs + entropy, a reference model's log-probs, SFT's + is_top1, DPO's + mean logits + log sum p^2). Loss,
+every gradient and the metrics equal eager's (fp32)."""
 from __future__ import annotations
 
 import pytest
@@ -28,39 +28,45 @@ def _step(model, ids, labels, params=None):
     loss = -(out.log_probs * adv).sum() / mask.sum()
     if out.entropy is not None:
         loss = loss + 0.1 * out.entropy.sum() / mask.sum()
-    metric = None if out.is_top1 is None else out.is_top1.float().sum().detach()  # SFT's token accuracy
+    # the metrics: SFT's token accuracy, DPO's mean logit and WPO weight (detached, as the trainers read them)
+    metrics = {k: getattr(out, k).detach() for k in ("is_top1", "mean_logits", "log_sum_sq_probs")
+               if getattr(out, k) is not None}
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in (params or model).named_parameters()}, metric
+    return loss.detach(), {n: p.grad.clone() for n, p in (params or model).named_parameters()}, metrics
 
 
-@pytest.mark.parametrize("arch,outputs,fused", [
-    ("llama", ("log_probs", "entropy"), True),            # GRPO's policy
-    ("gemma2", ("log_probs",), True),                      # a reference model; Gemma-2's final softcap, T = 0.7
-    ("llama", ("log_probs", "entropy", "is_top1"), False),  # SFTTrainer's: is_top1 keeps TRL's kernel
+@pytest.mark.parametrize("arch,outputs", [
+    ("llama", ("log_probs", "entropy")),                   # GRPO's policy
+    ("gemma2", ("log_probs",)),                            # a reference model; Gemma-2's final softcap, T = 0.7
+    ("llama", ("log_probs", "entropy", "is_top1")),        # SFTTrainer's
+    ("gemma2", ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")),  # DPOTrainer's (WPO on)
 ])
-def test_trl_head_in_the_graph(arch, outputs, fused):
+def test_trl_head_in_the_graph(arch, outputs):
     assert shim.trl_shim_installed()
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (2, 13))
     labels = ids.clone()
     labels[0, :4] = -100
-    loss_e, grads_e, metric_e = _step(_patched(arch, outputs), ids, labels)
+    loss_e, grads_e, metrics_e = _step(_patched(arch, outputs), ids, labels)
     torch._dynamo.utils.counters.clear()
     model = _patched(arch, outputs)
-    loss_c, grads_c, metric_c = _step(torch.compile(model, backend="fxfuse"), ids, labels, model)
+    loss_c, grads_c, metrics_c = _step(torch.compile(model, backend="fxfuse"), ids, labels, model)
 
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.allclose(loss_c, loss_e, rtol=1e-5, atol=1e-6), (loss_c, loss_e)
     for name, g in grads_e.items():
         assert torch.allclose(grads_c[name], g, rtol=1e-4, atol=1e-6), name
-    assert metric_c == metric_e
+    assert metrics_c.keys() == metrics_e.keys() == set(outputs) & {"is_top1", "mean_logits", "log_sum_sq_probs"}
+    for k, v in metrics_e.items():
+        if k == "is_top1":
+            assert torch.equal(metrics_c[k], v), k
+        else:
+            assert torch.allclose(metrics_c[k], v, rtol=1e-5, atol=1e-6), (k, metrics_c[k], v)
     rep = fxfuse.report()
     heads = [r for r in rep.fused + rep.skipped if r.pass_name == "trl_fused_head"]
     assert len(heads) == 1, str(rep)
-    if fused:
-        assert heads[0].status == "fused" and "linear_log_probs" in heads[0].op
-    else:
-        assert heads[0].status == "skipped" and "is_top1" in heads[0].reason
+    assert heads[0].status == "fused" and "linear_log_probs" in heads[0].op, str(rep)
+    assert sorted(heads[0].detail["outputs"]) == sorted(outputs), heads[0].detail
 
 
 def test_eager_calls_run_trls_function_unchanged():

@@ -11,6 +11,13 @@ What is computed (``fxfuse::linear_log_probs``), for every token row t (no ignor
     logp_t = (z_t[index_t] - mx_t) - ls_t                    # = log_softmax(z_t)[index_t]
     H_t    = ls_t - sum_v p_t,v * (z_t,v - mx_t)             # entropy, p = softmax(z)
 
+and, when asked, three per-token statistics without a gradient (what TRL's trainers log or weight by: SFT's token
+accuracy, DPO / KTO's mean logit, DPO's WPO weighting)::
+
+    top1_t = index_t is the FIRST argmax of z_t             # (z_y >= mx) & (z_y > max_{v < y} z_v): argmax's tie rule
+    mean_t = sum_v z_t,v / V
+    lsq_t  = log sum_v p_t,v^2 = log sum_v exp(2 (z_t,v - mx_t)) - 2 ls_t
+
 The order softcap -> temperature is TRL's (GRPO/DPO trainers divide the model's logits, which Gemma-2 has already
 softcapped, by the temperature): ``z = softcap(logits) / temperature``.
 
@@ -54,13 +61,14 @@ from .lm_head_rows import chunk_loop, rounded_z, row_launch_config, row_stats_to
 from .triton_support import HAVE_TRITON, tl, triton, use_triton
 
 if HAVE_TRITON:
-    from .lm_head_rows import expm1, mul_rn, pick, softcap_tanh, stats_finish, stats_init, stats_update
+    from .lm_head_rows import expm1, log1p, mul_rn, pick, softcap_tanh, stats_finish, stats_init, stats_update
 
 __all__ = [
     "FORCE_TRITON",
     "logp_forward",
     "logp_backward",
     "logp_reference",
+    "logp_stats_reference",
 ]
 
 #: Run the Triton row kernel on CPU tensors too (needs TRITON_INTERPRET=1); for tests.
@@ -96,9 +104,11 @@ if HAVE_TRITON:
                                          #   E_p[z] - mx
         glogp_ptr, stride_gl,            # [C] upstream grad of logp (backward, HAS_GLOGP)
         gent_ptr, stride_ge,             # [C] upstream grad of the entropy (backward, HAS_GENT)
+        top1_ptr, mean_ptr, lsq_ptr,     # [C] forward statistics without a gradient: uint8 / fp32 / fp32
         V, inv_temp, softcap, inv_softcap,
         BACKWARD: tl.constexpr, ENTROPY: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
         SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, FAST_TANH: tl.constexpr, RN: tl.constexpr,
+        TOP1: tl.constexpr, MEAN: tl.constexpr, LSQ: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # int64: C * V exceeds 2**31 for big budgets
         base = logits_ptr + row * stride_row
@@ -111,6 +121,11 @@ if HAVE_TRITON:
             m, r = stats_init(BLOCK_V)
             t = tl.zeros([BLOCK_V], dtype=tl.float32)
             zy = tl.zeros([BLOCK_V], dtype=tl.float32)
+            # the statistics without a gradient, per lane like (m, r): the max of z before the index column; the
+            # sum of z; sum e^(2 (z - m)) without the lane's max (-1 = not hit yet, as r)
+            zb = tl.full([BLOCK_V], -float("inf"), dtype=tl.float32)
+            zsum = tl.zeros([BLOCK_V], dtype=tl.float32)
+            q2 = tl.full([BLOCK_V], -1.0, dtype=tl.float32)
             for start in range(0, V, BLOCK_V):
                 cols = start + cols0
                 mask = cols < V
@@ -122,13 +137,30 @@ if HAVE_TRITON:
                     # lane's full sum, 0 for a lane not hit yet); else the element adds q * dz = e^(z-m) (z-m)
                     dz = tl.where(mask, dz, 0.0)  # masked lanes: -inf (q = 0, up false): no nan from 0 * inf
                     t = tl.where(up, q * (t - dz * (r + 1.0)), t + q * dz)
+                if LSQ:  # e^(2 (z - m)) = q^2 for a new element, the rescale of the old sum for a new max
+                    q2 = tl.where(up, (q2 + 1.0) * q * q, q2 + q * q)
+                if MEAN:
+                    zsum += tl.where(mask, z, 0.0)
+                if TOP1:  # columns before the index (all < V)
+                    zb = tl.maximum(zb, tl.where(cols < y, z, -float("inf")))
                 m = m_new
                 r = r_new
                 zy += tl.where(cols == y, z, 0.0)
             mx, ls, w, Sm1 = stats_finish(m, r, BLOCK_V)
+            zyr = tl.sum(zy, axis=0)
             tl.store(mx_ptr + row, mx)
             tl.store(ls_ptr + row, ls)
-            tl.store(logp_ptr + row, (tl.sum(zy, axis=0) - mx) - ls)
+            tl.store(logp_ptr + row, (zyr - mx) - ls)
+            if TOP1:  # argmax's rule: the first maximum wins a tie
+                tl.store(top1_ptr + row, ((zyr >= mx) & (zyr > tl.max(zb, axis=0))).to(tl.uint8))
+            if MEAN:
+                tl.store(mean_ptr + row, tl.sum(zsum, axis=0) / V)
+            if LSQ:
+                # sum e^(2 (z - mx)) - 1 combined over the lanes as stats_finish combines S - 1 (the lane holding
+                # the row max gives its sum without the max's 1), then log1p: exact for nearly one-hot rows
+                _mx, imx = tl.max(m, axis=0, return_indices=True)
+                Q2m1 = tl.sum(tl.where(tl.arange(0, BLOCK_V) == imx, q2, w * w * (q2 + 1.0)), axis=0)
+                tl.store(lsq_ptr + row, log1p(Q2m1) - 2.0 * ls)
             if ENTROPY:
                 # H = log S - T/S with S = 1 + Sm1, T = sum e^(z-mx) (z-mx) <= 0: both terms >= 0 (no lse - E_p[z]
                 # cancellation) and log S = log1p(Sm1) keeps nearly one-hot rows exact.
@@ -171,7 +203,8 @@ if HAVE_TRITON:
                 tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap, backward):
+def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap, backward, top1=None, mean=None,
+            lsq=None):
     C, V = buf.shape
     if C == 0:
         return
@@ -187,16 +220,18 @@ def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap,
         lse[0], lse[1], ez if ez is not None else dummy,
         g_logp if g_logp is not None else dummy, g_logp.stride(0) if g_logp is not None else 0,
         g_ent if g_ent is not None else dummy, g_ent.stride(0) if g_ent is not None else 0,
+        top1 if top1 is not None else dummy, mean if mean is not None else dummy, lsq if lsq is not None else dummy,
         V, 1.0 / float(temperature), float(softcap or 1.0), 1.0 / float(softcap or 1.0),
         BACKWARD=bool(backward), ENTROPY=ent is not None, HAS_GLOGP=g_logp is not None,
         HAS_GENT=g_ent is not None, SOFTCAP=bool(softcap), BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh,
-        RN=rounded_z(buf), num_warps=num_warps,
+        RN=rounded_z(buf), TOP1=top1 is not None, MEAN=mean is not None, LSQ=lsq is not None,
+        num_warps=num_warps,
     )
 
 
-def _rows_triton_fwd(buf, index, logp, ent, lse, ez, temperature, softcap):
+def _rows_triton_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=None, mean=None, lsq=None):
     """Forward row step on one [C, V] chunk (same contract as :func:`_rows_torch_fwd`)."""
-    _launch(buf, index, logp, ent, lse, ez, None, None, temperature, softcap, False)
+    _launch(buf, index, logp, ent, lse, ez, None, None, temperature, softcap, False, top1, mean, lsq)
 
 
 def _rows_triton_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
@@ -216,14 +251,21 @@ def _z(buf, temperature, softcap):
     return z, th
 
 
-def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap):
+def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=None, mean=None, lsq=None):
     """Reads the [C, V] logits in ``buf``; writes logp [C], the row statistics ``lse`` ([2, C]: the row max, log S)
-    and, when ``ent`` is given, the entropy and E_p[z] - mx into ``ent`` / ``ez`` ([C]); all fp32."""
+    and, when ``ent`` is given, the entropy and E_p[z] - mx into ``ent`` / ``ez`` ([C]); all fp32. ``top1`` (uint8),
+    ``mean``, ``lsq`` ([C] each, or None): whether the index is z's first argmax, the mean of z, log sum p^2."""
     if buf.shape[0] == 0:
         return
     z, _ = _z(buf, temperature, softcap)
+    if top1 is not None:
+        top1.copy_(z.argmax(-1) == index)  # argmax returns the first maximum, the kernel's tie rule
+    if mean is not None:
+        mean.copy_(z.sum(-1) / z.shape[1])
     mx, ls, zs, e = row_stats_torch(z)  # as in the kernel: log S = log1p(S - 1), S - 1 without the max's 1
     del z
+    if lsq is not None:  # sum e^(2 (z - mx)) = 1 + sum of e^2 without the max's 1
+        lsq.copy_(torch.log1p((e * e).sum(-1)) - 2.0 * ls)
     lse[0].copy_(mx)
     lse[1].copy_(ls)
     logp.copy_(zs.gather(1, index.unsqueeze(1)).squeeze(1) - ls)
@@ -265,11 +307,12 @@ def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
 
 # ================================================================================================ chunk drivers
 def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
-                 chunk_bytes: int):
+                 chunk_bytes: int, top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False):
     """hidden [N, D], weight [V, D], index [N] int64, bias [V] or None.
 
-    Returns (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0]), all fp32; ``lse`` = the row statistics
-    (row 0 the max mx, row 1 ls = log sum exp(z - mx)), ``ez`` = E_p[z] - mx (saved for the entropy gradient)."""
+    Returns (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0], top1 [N] bool or [0], mean_logits [N] or
+    [0], log_sum_sq_probs [N] or [0]), fp32 but top1; ``lse`` = the row statistics (row 0 the max mx, row 1 ls =
+    log sum exp(z - mx)), ``ez`` = E_p[z] - mx (saved for the entropy gradient); the last three as asked."""
     N = hidden.shape[0]
     dev = hidden.device
     fwd = _rows_triton_fwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_fwd
@@ -278,13 +321,17 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     lse = torch.empty((2, N), dtype=torch.float32, device=dev)
     ent = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
     ez = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
+    top = torch.empty(N if top1 else 0, dtype=torch.uint8, device=dev)
+    mean = torch.empty(N if mean_logits else 0, dtype=torch.float32, device=dev)
+    lsq = torch.empty(N if log_sum_sq_probs else 0, dtype=torch.float32, device=dev)
 
     def step(buf, s, e):
         fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[:, s:e], ez[s:e] if entropy else None,
-            temperature, softcap)
+            temperature, softcap, top[s:e] if top1 else None, mean[s:e] if mean_logits else None,
+            lsq[s:e] if log_sum_sq_probs else None)
 
     chunk_loop(hidden, weight, bias, step, False, False, False, chunk_bytes, False)
-    return logp, ent, lse, ez
+    return logp, ent, lse, ez, top.view(torch.bool), mean, lsq
 
 
 def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], hidden, weight, index, bias,
@@ -345,3 +392,16 @@ def logp_reference(hidden, weight, index, bias=None, temperature=1.0, softcap=No
         gh, gw = grads[0].reshape(hidden.shape), grads[1]
         gb = grads[2] if b is not None else None
     return logp.detach().reshape(index.shape), ent.detach().reshape(index.shape), gh, gw, gb
+
+
+def logp_stats_reference(hidden, weight, index, bias=None, temperature=1.0, softcap=None, dtype=torch.float64):
+    """float64 reference of the statistics without a gradient: (top1 bool, mean of z, log sum p^2), each [N]."""
+    D = hidden.shape[-1]
+    z = F.linear(hidden.detach().reshape(-1, D).to(dtype), weight.detach().to(dtype),
+                 bias.detach().to(dtype) if bias is not None else None)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    top1 = z.argmax(-1) == index.reshape(-1)  # the first maximum
+    lsm = torch.log_softmax(z, dim=-1)
+    return top1, z.mean(-1), torch.logsumexp(2.0 * lsm, dim=-1)

@@ -60,6 +60,7 @@ __all__ = [
     "stats_update",
     "stats_finish",
     "expm1",
+    "log1p",
     "pick",
 ]
 
@@ -124,7 +125,7 @@ if HAVE_TRITON:
         return tl.maximum(m, zm), tl.where(up, (r + 1.0) * q, r + q), q, d, up
 
     @triton.jit
-    def _log1p(x):
+    def log1p(x):
         """log(1 + x) for x >= 0 with relative precision also for tiny x, without relying on tl.log near 1
         (approximate on GPUs): 2 atanh(s), s = x / (2 + x) <= 1/3, as a series for x < 1; tl.log(1 + x) above,
         where log(1 + x) >= log 2 keeps an absolute error of the log small relative to the result."""
@@ -161,7 +162,7 @@ if HAVE_TRITON:
         mx, imx = tl.max(m, axis=0, return_indices=True)
         w = tl.exp(m - mx)
         Sm1 = tl.sum(tl.where(tl.arange(0, BLOCK_V) == imx, r, w * (r + 1.0)), axis=0)
-        return mx, _log1p(Sm1), w, Sm1
+        return mx, log1p(Sm1), w, Sm1
 
     @triton.jit
     def pick(base, idx, ok):
@@ -171,7 +172,7 @@ if HAVE_TRITON:
         # (mask built by one vector compare: the interpreter rejects a scalar-and-vector bool mask)
         return tl.load(base + tl.where(ok, idx, 0) + k, mask=tl.where(ok, k, 1) == 0, other=0.0).to(tl.float32), k
 else:  # pragma: no cover
-    softcap_tanh = mul_rn = stats_init = stats_update = stats_finish = expm1 = pick = None
+    softcap_tanh = mul_rn = stats_init = stats_update = stats_finish = expm1 = log1p = pick = None
 
 
 # ================================================================================================ launch settings

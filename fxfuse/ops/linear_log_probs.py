@@ -5,8 +5,9 @@ torch.library ops, for RL and preference losses (GRPO / PPO / DPO: ``selective_l
 Order of the logit transforms (TRL's): ``z = softcap(hidden @ weight.T + bias) / temperature`` with
 ``softcap(x) = c * tanh(x / c)`` — the model (Gemma-2) softcaps, the trainer divides by the temperature.
 
-The call a graph pass inserts (ONE node, returns ``(logp, entropy)``, fp32 [N]; ``entropy`` is an empty [0]
-tensor unless ``return_entropy``)::
+The call a graph pass inserts (ONE node, returns ``(logp, entropy, is_top1, mean_logits, log_sum_sq_probs)``,
+[N] each, fp32 but ``is_top1`` (bool); each output but ``logp`` is an empty [0] tensor unless asked for; the last
+three have no gradient: the per-token statistics TRL's trainers read besides the log-probs)::
 
     torch.ops.fxfuse.linear_log_probs.default(
         hidden,            # [..., D] (flattened to [N, D]); bf16 / fp16 / fp32
@@ -17,13 +18,17 @@ tensor unless ``return_entropy``)::
         softcap=0.0,       # float (0.0 = none)
         return_entropy=False,
         chunk_bytes=0,     # logits-chunk budget in bytes (0 = DEFAULT_CHUNK_BYTES, 256 MiB)
+        return_is_top1=False,            # index is the first argmax of z (SFT's mean_token_accuracy)
+        return_mean_logits=False,        # mean of z over the vocabulary (DPO / KTO metrics)
+        return_log_sum_sq_probs=False,   # log sum_v p_v^2 (DPO's WPO weighting)
     )
 
 That op is CompositeImplicitAutograd (it reads ``requires_grad`` / grad mode at trace time to decide which
 gradients the backward computes); AOTAutograd decomposes it into
 
 * ``fxfuse::linear_log_probs_fwd(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden,
-  grad_weight, grad_bias, chunk_bytes) -> (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0])``
+  grad_weight, grad_bias, chunk_bytes, stats) -> (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0],
+  is_top1, mean_logits, log_sum_sq_probs)`` (``stats``: which of the last three to compute)
   (custom_op + register_fake + register_autograd; saved for the backward: lse = the row normaliser as two fp32
   numbers per row, row 0 the max mx of z and row 1 ls = log sum exp(z - mx), so logsumexp = mx + ls (one fp32
   lse loses the log-probs of peaked rows, see :mod:`fxfuse.kernels.linear_log_probs`); ez = E_p[z] - mx), and
@@ -40,7 +45,7 @@ sync, a device-side assertion with this op's message stops the program (as PyTor
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -73,24 +78,28 @@ def _check_linear_log_probs(hidden, weight, index, bias=None, temperature=1.0, s
 def linear_log_probs_fwd(
     hidden: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor], temperature: float, softcap: float,
     return_entropy: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool, chunk_bytes: int,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    stats: List[bool],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     check_class_indices(_OP, index, weight.shape[0], None, what="index")
     return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
-                          bool(return_entropy), chunk_budget(chunk_bytes))
+                          bool(return_entropy), chunk_budget(chunk_bytes), *map(bool, stats))
 
 
 @linear_log_probs_fwd.register_fake
 def _(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden, grad_weight, grad_bias,
-      chunk_bytes):
+      chunk_bytes, stats):
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     N = hidden.shape[0]
     f32 = torch.float32
-    logp = hidden.new_empty((N,), dtype=f32)
+
+    def per_token(flag, dtype=f32):
+        return hidden.new_empty((N,) if flag else (0,), dtype=dtype)
+    logp = per_token(True)
     lse = hidden.new_empty((2, N), dtype=f32)  # row max, log S
-    ent = hidden.new_empty((N,) if return_entropy else (0,), dtype=f32)
-    ez = hidden.new_empty((N,) if return_entropy else (0,), dtype=f32)
-    return logp, ent, lse, ez
+    top1, mean, lsq = stats
+    return (logp, per_token(return_entropy), lse, per_token(return_entropy), per_token(top1, torch.bool),
+            per_token(mean), per_token(lsq))
 
 
 # ================================================================================================ backward op
@@ -114,9 +123,9 @@ def _(grad_logp, grad_entropy, hidden, weight, index, bias, lse, ez, temperature
 # ================================================================================================ autograd
 def _setup_context(ctx, inputs, output):
     (hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden, grad_weight, grad_bias,
-     chunk_bytes) = inputs
-    logp, ent, lse, ez = output
-    ctx.mark_non_differentiable(lse, ez)
+     chunk_bytes, _stats) = inputs
+    logp, ent, lse, ez, top1, mean, lsq = output
+    ctx.mark_non_differentiable(lse, ez, top1, mean, lsq)
     # An output nobody uses gets a None grad (not a zeros tensor), so its term is skipped in the row kernel.
     ctx.set_materialize_grads(False)
     ctx.args = (float(temperature), float(softcap))
@@ -126,7 +135,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, index, bias, lse, ez)
 
 
-def _backward(ctx, g_logp, g_ent, _g_lse, _g_ez):
+def _backward(ctx, g_logp, g_ent, *_no_grad):
     hidden, weight, index, bias, lse, ez = ctx.saved_tensors
     if not ctx.entropy:
         g_ent = None
@@ -134,7 +143,7 @@ def _backward(ctx, g_logp, g_ent, _g_lse, _g_ez):
                                                         *ctx.args, *ctx.flags, ctx.chunk_bytes)
     fh, fw, fb = ctx.flags
     return (gh if fh else None, gw if fw else None, None, gb if fb else None,
-            None, None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 linear_log_probs_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -144,17 +153,20 @@ linear_log_probs_fwd.register_autograd(_backward, setup_context=_setup_context)
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define(
     "linear_log_probs(Tensor hidden, Tensor weight, Tensor index, Tensor? bias, float temperature=1.0, "
-    "float softcap=0.0, bool return_entropy=False, int chunk_bytes=0) -> (Tensor, Tensor)"
+    "float softcap=0.0, bool return_entropy=False, int chunk_bytes=0, bool return_is_top1=False, "
+    "bool return_mean_logits=False, bool return_log_sum_sq_probs=False) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
 def _linear_log_probs_composite(hidden, weight, index, bias, temperature=1.0, softcap=0.0, return_entropy=False,
-                                chunk_bytes=0):
+                                chunk_bytes=0, return_is_top1=False, return_mean_logits=False,
+                                return_log_sum_sq_probs=False):
     h2, i1, gh, gw, gb = flatten_and_grad_flags(hidden, weight, index, bias)
-    logp, ent, _lse, _ez = torch.ops.fxfuse.linear_log_probs_fwd(
+    logp, ent, _lse, _ez, top1, mean, lsq = torch.ops.fxfuse.linear_log_probs_fwd(
         h2, weight, i1, bias, float(temperature), float(softcap), bool(return_entropy), gh, gw, gb,
-        int(chunk_bytes))
-    return logp, ent
+        int(chunk_bytes), [bool(return_is_top1), bool(return_mean_logits), bool(return_log_sum_sq_probs)])
+    return logp, ent, top1, mean, lsq
 
 
 _lib.impl("linear_log_probs", _linear_log_probs_composite, "CompositeImplicitAutograd")
@@ -181,7 +193,7 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *, temperatu
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap or 0.0)
     logp, ent = torch.ops.fxfuse.linear_log_probs.default(
         hidden, weight, index, bias, float(temperature), float(softcap or 0.0), bool(return_entropy),
-        int(chunk_bytes or 0))
+        int(chunk_bytes or 0))[:2]
     logp = logp.view(index.shape)
     if return_entropy:
         return logp, ent.view(index.shape)
