@@ -2,9 +2,10 @@
 accumulation and batches without a ``labels`` key: the per-step losses with the model compiled by fxfuse equal
 the unfused run (to bf16 noise where the trainer runs under bf16 autocast, see AUTOCAST_REL).
 
-TRL 1.16 computes these trainers' log-probs with its own chunked lm-head (``fused_lm_head=True`` /
-``trl/kernels/chunked_logprob.py``), so their graphs hold no [tokens x vocab] logits for the log-probs pass to
-fuse; what these tests pin down is that fxfuse compiles them and changes nothing. The integration is one line
+TRL 1.16 computes GRPO's and DPO's log-probs with its own chunked lm-head (``fused_lm_head=True`` /
+``trl/kernels/chunked_logprob.py``): fxfuse's shim makes it one graph node, and the ``trl_fused_head`` pass
+rewrites it to ``fxfuse::linear_log_probs`` with the outputs each trainer reads (the tests check the report's
+site); ORPO computes its loss from the logits (the logit-chain passes). The integration is one line
 after building the trainer: ``trainer.model.compile(backend="fxfuse")`` (in place, so the trainer keeps its
 object; accelerate rejects ``torch_compile_backend="fxfuse"``)."""
 from __future__ import annotations
@@ -38,6 +39,14 @@ def _assert_unchanged(make_trainer, allow_rollback=False, rel=1e-5):
     return assert_losses_unchanged(make_trainer, n_steps=2, rel=rel, abs=1e-6, allow_rollback=allow_rollback)
 
 
+def _trl_heads_fused(reps, outputs):
+    """Every TRL head site was rewritten, and one of them read ``outputs`` (the policy's; a reference model reads
+    only log-probs)."""
+    heads = [s for r in reps for s in r.records if s.pass_name == "trl_fused_head"]
+    assert heads and all(s.status == "fused" for s in heads), [str(r) for r in reps]
+    assert any(sorted(s.detail["outputs"]) == sorted(outputs) for s in heads), [s.detail for s in heads]
+
+
 def test_dpo_trainer(tmp_path):
     from trl import DPOConfig, DPOTrainer
 
@@ -47,7 +56,8 @@ def test_dpo_trainer(tmp_path):
         return DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=cfg, train_dataset=_preference_data(),
                           processing_class=make_tokenizer())
 
-    _assert_unchanged(make, rel=AUTOCAST_REL)
+    reps = _assert_unchanged(make, rel=AUTOCAST_REL)
+    _trl_heads_fused(reps, ["log_probs", "entropy", "mean_logits", "is_top1"])
 
 
 def test_orpo_trainer(tmp_path):
@@ -79,4 +89,5 @@ def test_grpo_trainer(tmp_path):
                            train_dataset=Dataset.from_dict({"prompt": make_texts(8, seed=6)}),
                            processing_class=make_tokenizer())
 
-    _assert_unchanged(make)
+    reps = _assert_unchanged(make)
+    _trl_heads_fused(reps, ["log_probs", "entropy"])
