@@ -23,6 +23,7 @@ PASS_ORDER = (
     "trl_fused_head",       # TRL's own fused head (one node, fxfuse's shim of it) -> linear_log_probs
     "linear_cross_entropy",
     "linear_log_probs",     # log-prob / entropy chains; a cross-entropy loss is linear_cross_entropy's
+    "foreign_fused_heads",  # reports another library's fused lm-head (Liger, CCE, Unsloth); rewrites nothing
 )
 
 PASSES = load_pass_package(__name__, order=PASS_ORDER)
