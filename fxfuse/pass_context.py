@@ -9,7 +9,9 @@ context: records and substitutions a pass made are kept only when its rewrite va
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import dataclasses
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -41,6 +43,7 @@ class PassContext:
         self.can_substitute_outputs = can_substitute_outputs
         self.pending_records: List[SiteRecord] = []  # this pass's records, kept if its rewrite validates
         self.pending_substitutions: List[OutputSubstitution] = []  # likewise
+        self.pending_retargets: List[Tuple[fx.Node, fx.Node]] = []  # likewise (see retarget_substitutions)
         self.substitutions: List[OutputSubstitution] = []  # kept from passes that validated
         self.verify = None  # verify.Reference when options["verify"]
 
@@ -49,14 +52,28 @@ class PassContext:
         self.pass_name = pass_name
         self.pending_records = []
         self.pending_substitutions = []
+        self.pending_retargets = []
 
     def commit(self) -> None:
         """The pass validated: keep what it recorded."""
         self.report.records.extend(self.pending_records)
-        self.substitutions.extend(self.pending_substitutions)
+        self.substitutions = self._retargeted(self.substitutions) + self.pending_substitutions
+        self.pending_retargets = []
 
     def all_substitutions(self) -> List[OutputSubstitution]:
-        return self.substitutions + self.pending_substitutions
+        return self._retargeted(self.substitutions) + self.pending_substitutions
+
+    def retarget_substitutions(self, old: fx.Node, new: fx.Node) -> None:
+        """An earlier pass's substitution reads ``old``, which this pass replaces by ``new`` in the graph's
+        outputs (e.g. hidden states scattered back to the padded layout): read ``new`` instead, if this pass
+        validates (a rolled-back pass leaves the substitutions as they were)."""
+        self.pending_retargets.append((old, new))
+
+    def _retargeted(self, subs: List[OutputSubstitution]) -> List[OutputSubstitution]:
+        if not self.pending_retargets:
+            return list(subs)
+        swap = dict(self.pending_retargets)
+        return [dataclasses.replace(s, inputs=[swap.get(x, x) for x in s.inputs]) for s in subs]
 
     def substitute_output(self, gm: fx.GraphModule, node: fx.Node, inputs: List[fx.Node],
                           rebuild: Callable[..., Any]) -> int:

@@ -277,6 +277,7 @@ def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[A
                 else:
                     with fake_mode:
                         val = runner.run_node(n)
+                    _bind_unbacked(fake_mode, n, val)
             except Exception as e:
                 raise PropagationError(n, e) from e
             finally:
@@ -295,6 +296,20 @@ def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[A
         for m in mods:
             if m not in done:
                 propagate_module(m)
+
+
+def _bind_unbacked(fake_mode, n: fx.Node, val) -> None:
+    """A node whose value has a data-dependent size (``nonzero`` in a rewritten graph) creates an unbacked symbol;
+    record where it lives in the value (``meta['unbacked_bindings']``, as Dynamo does), so that it is not left
+    pending in the ShapeEnv for the next tracer to trip over."""
+    env = getattr(fake_mode, "shape_env", None)
+    if env is None or not getattr(env, "pending_fresh_unbacked_symbols", None):
+        return
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+    bindings = compute_unbacked_bindings(env, val)
+    if bindings:
+        n.meta["unbacked_bindings"] = bindings
 
 
 # Higher-order ops that return exactly what their body (args[0], a get_attr of a GraphModule) returns.

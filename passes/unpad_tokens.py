@@ -1,0 +1,274 @@
+"""A padded batch's token-wise graph run on its real tokens only: ``[B, S]`` padded rows -> one packed row ``[1, N]``
+(issue 31; the investigation and the plan: ``benchmarks/unpad_notes.md``).
+
+HF Trainer's collators pad every batch to its longest row, and every projection, norm, MLP and the lm-head then
+work on the padding too. Where the graph's attention masks were read by their recipe (causal [+ window] + key
+padding ``attention_mask[b, kv]``: the attention passes ran first) and the loss is fxfuse's lm-head op, this pass:
+
+1. finds the token region from the embedding on (``_token_dims``: every node there acts on each token alone, or
+   is an fxfuse attention / loss op; anything else refuses the pass, with the node and why);
+2. computes once, at the top of the graph, the flat indices ``idx`` of the tokens to keep (``nonzero``: the one
+   host synchronisation of the step; the count ``N`` is an unbacked size, so no length recompiles anything):
+   ``attention_mask`` tokens, plus a padding position whose shifted label is used (a left-padded row's first-token
+   loss term, which eager predicts from the last pad: kept, so the loss stays eager's);
+3. gathers what enters the region into the packed layout (the token ids before the embedding, RoPE's cos / sin by
+   position ``idx % S``, the shifted labels), and writes every size Dynamo baked into the region with ``B -> 1``,
+   ``S -> N``, ``B * S -> N``;
+4. re-targets every attention site from key padding to packed documents (each row one document, ``doc_ranges``
+   from ``idx // S``) with the kept tokens' key flags; positions in a row stay the column index (RoPE as eager);
+5. scatters what the graph returns per token (the hidden states behind the lazy logits) back to ``[B, S, ...]``
+   with zeros at the positions it dropped: pad positions of the logits read 0.
+
+Values at kept positions equal eager's (the packed row's attention is each row's attention), and so do the loss
+and every gradient, with one exception: an attention site whose fully masked rows average every key of the row
+(Gemma-2 eager's ``finfo.min`` masks) cannot give a kept padding query eager's value, so there the padding
+positions are dropped and a left-padded row's first-token term is not in the loss (the report says so).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from fxfuse.attention.conventions import MASKED_ROWS_UNIFORM
+from fxfuse.attention.op import document_ranges
+from fxfuse.graph_utils import node_val
+from fxfuse.registry import register_pass
+
+from ._token_dims import B, S, T, token_region
+
+NAME = "unpad_tokens"
+_ATTENTION = torch.ops.fxfuse.softcap_attention.default
+_LOSS = torch.ops.fxfuse.linear_cross_entropy.default
+
+
+# ------------------------------------------------------------------------------------------------ traced helpers
+# Small functions the rewritten graph calls: AOTAutograd traces through them, so they are plain torch code.
+def packed_index(key_valid: torch.Tensor, *targets_and_ignore) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(idx [N] int64, doc_ranges [2, 1, N] int32, key_valid [1, N] bool) of the kept tokens of ``key_valid``
+    [B, S]: those it marks, and those whose shifted label (``targets_and_ignore`` = target [B*S], ignore_index,
+    ...) is used. ``nonzero`` is the step's one host synchronisation."""
+    kv = key_valid.reshape(-1).to(torch.bool)
+    keep = kv
+    for i in range(0, len(targets_and_ignore), 2):
+        keep = keep | (targets_and_ignore[i].reshape(-1) != targets_and_ignore[i + 1])
+    idx = torch.nonzero(keep).reshape(-1)
+    cols = key_valid.shape[1]
+    docs = document_ranges(torch.div(idx, cols, rounding_mode="floor").unsqueeze(0))
+    return idx, docs, kv.index_select(0, idx).unsqueeze(0)
+
+
+def rows_contiguous(idx: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """True where every row's kept tokens are consecutive columns (a sliding window then spans the same tokens
+    packed as padded): per row, last kept index - first + 1 == count. Reductions by row, no data-dependent branch
+    (the count of kept tokens is an unbacked size)."""
+    row = torch.div(idx, cols, rounding_mode="floor")
+    count = torch.zeros(rows, dtype=idx.dtype, device=idx.device).index_add_(0, row, torch.ones_like(idx))
+    first = torch.full((rows,), rows * cols, dtype=idx.dtype, device=idx.device).scatter_reduce(0, row, idx, "amin")
+    last = torch.full((rows,), -1, dtype=idx.dtype, device=idx.device).scatter_reduce(0, row, idx, "amax")
+    return ((last - first + 1 == count) | (count == 0)).all()
+
+
+def gather_rows_positions(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with dims (dim, dim + 1) = (B, S) -> (1, N): the kept tokens, in order."""
+    return x.flatten(dim, dim + 1).index_select(dim, idx).unsqueeze(dim)
+
+
+def gather_positions(x: torch.Tensor, idx: torch.Tensor, dim: int, cols: int) -> torch.Tensor:
+    """``x`` with dim = S (its row dims are broadcast, size 1) -> N: the kept tokens' columns."""
+    return x.index_select(dim, torch.remainder(idx, cols))
+
+
+def gather_flat(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` with dim = B * S -> N."""
+    return x.index_select(dim, idx)
+
+
+def scatter_rows_positions(y: torch.Tensor, idx: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``y`` [1, N, ...] back to [rows, cols, ...], zeros at the positions not kept."""
+    flat = y.reshape((y.shape[1],) + tuple(y.shape[2:]))
+    out = flat.new_zeros((rows * cols,) + tuple(y.shape[2:])).index_copy(0, idx, flat)
+    return out.view((rows, cols) + tuple(y.shape[2:]))
+
+
+# ------------------------------------------------------------------------------------------------ the pass
+class _Skip(Exception):
+    pass
+
+
+def _source(n: fx.Node) -> fx.Node:
+    """Through casts / contiguous to the tensor a mask came from."""
+    while n.op == "call_method" and n.target in ("to", "bool", "contiguous") or \
+            n.op == "call_function" and n.target in (torch.Tensor.to,):
+        n = n.args[0]
+    return n
+
+
+def _hoist(node: fx.Node, before: fx.Node, region: set) -> None:
+    """Move ``node`` and what it needs (nothing of the region) before ``before``, in graph order."""
+    order = {n: i for i, n in enumerate(before.graph.nodes)}
+    if order[node] < order[before]:
+        return
+    need, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in need or n.op in ("placeholder", "get_attr") or order[n] < order[before]:
+            continue
+        if n in region:
+            raise _Skip(f"the loss target {node} is computed from the token region")
+        need.add(n)
+        todo.extend(n.all_input_nodes)
+    for n in sorted(need, key=order.__getitem__):
+        before.prepend(n)
+
+
+def _allow_dynamic_output_shapes(ctx) -> None:
+    """``nonzero``'s size is data-dependent: the compile's ShapeEnv must allow it (Dynamo's
+    ``capture_dynamic_output_shape_ops``, here for this graph's compile only). A private setting: the test of this
+    pass pins it on each torch version."""
+    env = getattr(ctx.fake_mode, "shape_env", None)
+    if env is None:
+        raise _Skip("no ShapeEnv to give the kept-token count an unbacked size (a graph not from Dynamo)")
+    if not env.allow_dynamic_output_shape_ops:
+        env.settings = dataclasses.replace(env.settings, allow_dynamic_output_shape_ops=True)
+
+
+def _call(g: fx.Graph, fn, args, name=None) -> fx.Node:
+    n = g.call_function(fn, tuple(args))
+    if name:
+        n.name = g._graph_namespace.create_name(name, None)
+    return n
+
+
+def _unpad(gm: fx.GraphModule, ctx) -> int:
+    g = gm.graph
+    embs = [n for n in g.nodes if n.op == "call_function" and n.target is F.embedding]
+    if len(embs) != 1:
+        raise _Skip(f"{len(embs)} embedding lookups in the graph (one, where the tokens enter, is needed)")
+    emb = embs[0]
+    if any(m is not gm and any(n.target is _ATTENTION for n in m.graph.nodes) for m in ctx.graph_modules(gm)):
+        raise _Skip("attention inside checkpoint bodies: not handled yet")
+    r = token_region(gm, emb)
+    if not r.ok:
+        node, why = r.refused
+        raise _Skip(f"the token region ends at {node}: {why}")
+    if not r.attention:
+        raise _Skip("no attention site in the token region")
+    kvs = set()
+    for a in r.attention:
+        args = list(a.args) + [None] * (11 - len(a.args))
+        if args[3] is not None or args[9] is not None or args[10] is None:
+            raise _Skip(f"{a}: not a key-padding recipe (mask tensor, documents, or no padding flags)")
+        kvs.add(_source(args[10]))
+    if len(kvs) != 1:
+        raise _Skip("attention sites read different padding masks")
+    kv = kvs.pop()
+    kv_val = node_val(kv)
+    if kv_val is None or kv_val.dim() != 2 or tuple(kv_val.shape) != tuple(node_val(emb).shape[:2]):
+        raise _Skip("the key padding mask is not [B, S] like the tokens")
+    uniform = any((list(a.args) + [0] * 9)[8] == MASKED_ROWS_UNIFORM for a in r.attention)
+    window = any((list(a.args) + [0] * 8)[7] not in (0, None) for a in r.attention)
+    for o in r.outputs:
+        if any(t in (B, S, T) for t in r.tags[o]) and r.tags[o][:2] != (B, S):
+            raise _Skip(f"the graph returns {o} with token dimensions {r.tags[o]}, not [B, S, ...]")
+    gathers: List[Tuple[fx.Node, tuple]] = []
+    for x, tags in r.inputs.items():
+        if x is kv and all(u in r.attention for u in x.users):
+            continue
+        gathers.append((x, tags))
+    region = set(r.nodes)
+
+    # -- the kept tokens, once, before the embedding
+    _allow_dynamic_output_shapes(ctx)
+    targets: List[Any] = []
+    if not uniform:
+        for loss in r.losses:
+            tgt = loss.args[2]
+            ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
+            if tgt in region or (r.inputs.get(tgt) != (T,)):
+                raise _Skip(f"{loss}: its target is not a flat [B * S] tensor from outside the region")
+            _hoist(tgt, emb, region)
+            targets += [tgt, ignore]
+    with g.inserting_before(emb):
+        packed = _call(g, packed_index, [kv] + targets, "fxfuse_packed")
+        idx = _call(g, operator.getitem, [packed, 0], "fxfuse_idx")
+        docs = _call(g, operator.getitem, [packed, 1], "fxfuse_doc_ranges")
+        kv_packed = _call(g, operator.getitem, [packed, 2], "fxfuse_key_valid")
+        n_tok = g.call_method("size", (idx, 0))
+        rows = g.call_method("size", (kv, 0))
+        cols = g.call_method("size", (kv, 1))
+        if window:
+            ok = _call(g, rows_contiguous, [idx, rows, cols])
+            _call(g, torch._assert_async, [ok, "fxfuse unpad_tokens: a sliding-window attention site needs every "
+                                                "row's tokens to be consecutive columns (padding only at the ends of "
+                                                "a row); run with options={'passes': {'unpad_tokens': False}}"])
+        ids = emb.args[0]
+        ids_packed = _call(g, gather_rows_positions, [ids, idx, 0], "fxfuse_ids")
+    emb.replace_input_with(ids, ids_packed)
+
+    # -- what enters the region, gathered where it enters
+    for x, tags in gathers:
+        users = [u for u in x.users if u in region]
+        first = min(users, key=lambda u: list(g.nodes).index(u))
+        with g.inserting_before(first):
+            if T in tags:
+                y = _call(g, gather_flat, [x, idx, tags.index(T)])
+            elif B in tags and S in tags and tags.index(S) == tags.index(B) + 1:
+                y = _call(g, gather_rows_positions, [x, idx, tags.index(B)])
+            elif S in tags and B not in tags:
+                y = _call(g, gather_positions, [x, idx, tags.index(S), cols])
+            else:
+                raise _Skip(f"{x} enters the token region with token dimensions {tags}")
+        for u in users:
+            u.replace_input_with(x, y)
+
+    # -- baked sizes
+    # (a -1 for a feature dimension becomes its value: inferring it would divide by the unbacked N, a guard)
+    marker = {B: 1, S: n_tok, T: n_tok}
+    for n, sizes in r.sizes.items():
+        shape = node_val(n).shape
+        new = tuple(marker[s] if isinstance(s, str) else
+                    (shape[i] if s == -1 and isinstance(shape[i], int) else s) for i, s in enumerate(sizes))
+        n.args = (n.args[0], new)
+
+    # -- attention sites: key padding -> packed documents
+    for a in r.attention:
+        args = list(a.args) + [None] * (11 - len(a.args))
+        args[9], args[10] = docs, kv_packed
+        a.args = tuple(args[:11])
+        a.kwargs = {}
+
+    # -- what leaves the region per token: back to [B, S, ...]
+    out = next(n for n in g.nodes if n.op == "output")
+    for o in r.outputs:
+        if r.tags[o][:2] == (B, S):
+            with g.inserting_before(out):
+                back = _call(g, scatter_rows_positions, [o, idx, rows, cols])
+            out.replace_input_with(o, back)
+            ctx.retarget_substitutions(o, back)  # e.g. the lazy logits rebuilt from these hidden states
+    g.lint()
+    gm.recompile()
+    ctx.fused(emb, "padded batch -> one packed row of its real tokens (token-wise graph on N tokens)",
+              saved_bytes=None, attention_sites=len(r.attention), loss_sites=len(r.losses),
+              padding_kept_for_labels=not uniform,
+              note=("a left-padded row's first-token loss term (predicted from padding) is left out: these "
+                    "attention sites average every key of a fully masked row") if uniform else "")
+    return 1
+
+
+@register_pass(name=NAME, enabled_by_default=False,
+               description="padded batch (attention masks read as key padding) -> the token-wise graph on the real "
+                           "tokens only, as one packed row of documents; outputs scattered back")
+def unpad_tokens_pass(gm: fx.GraphModule, ctx) -> int:
+    try:
+        return _unpad(gm, ctx)
+    except _Skip as e:
+        has_padding = any(n.op == "call_function" and n.target is _ATTENTION and
+                          (list(n.args) + [None] * 11)[10] is not None for n in gm.graph.nodes)
+        if has_padding:  # only a graph with key padding had something to unpad: say why it stays padded
+            ctx.skipped(next(iter(gm.graph.nodes)), "unpad a padded batch", str(e))
+        return 0
