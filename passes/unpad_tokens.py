@@ -10,7 +10,8 @@ padding ``attention_mask[b, kv]``: the attention passes ran first) and the loss 
 2. computes once, at the top of the graph, the flat indices ``idx`` of the tokens to keep (``nonzero``: the one
    host synchronisation of the step; the count ``N`` is an unbacked size, so no length recompiles anything):
    ``attention_mask`` tokens, plus a padding position whose shifted label is used (a left-padded row's first-token
-   loss term, which eager predicts from the last pad: kept, so the loss stays eager's);
+   loss term, which eager predicts from the last pad: kept, so the loss stays eager's), plus, where a site has a
+   sliding window, any padding between a row's kept tokens (the window counts columns);
 3. gathers what enters the region into the packed layout (the token ids before the embedding, RoPE's cos / sin by
    position ``idx % S``, the shifted labels), and writes every size Dynamo baked into the region with ``B -> 1``,
    ``S -> N``, ``B * S -> N``;
@@ -20,9 +21,10 @@ padding ``attention_mask[b, kv]``: the attention passes ran first) and the loss 
    with zeros at the positions it dropped: pad positions of the logits read 0.
 
 Values at kept positions equal eager's (the packed row's attention is each row's attention), and so do the loss
-and every gradient, with one exception: an attention site whose fully masked rows average every key of the row
-(Gemma-2 eager's ``finfo.min`` masks) cannot give a kept padding query eager's value, so there the padding
-positions are dropped and a left-padded row's first-token term is not in the loss (the report says so).
+and every gradient. Not unpadded (the report says why): attention sites whose fully masked rows average every key
+of the padded row (HF eager attention's ``finfo.min`` masks: Llama eager, Gemma-2), where a kept padding query
+(left padding) cannot get eager's value from the packed row; attention inside checkpoint bodies; a graph whose
+token-wise part holds an op the analysis does not know.
 """
 from __future__ import annotations
 
@@ -48,29 +50,26 @@ _LOSS = torch.ops.fxfuse.linear_cross_entropy.default
 
 # ------------------------------------------------------------------------------------------------ traced helpers
 # Small functions the rewritten graph calls: AOTAutograd traces through them, so they are plain torch code.
-def packed_index(key_valid: torch.Tensor, *targets_and_ignore) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(idx [N] int64, doc_ranges [2, 1, N] int32, key_valid [1, N] bool) of the kept tokens of ``key_valid``
     [B, S]: those it marks, and those whose shifted label (``targets_and_ignore`` = target [B*S], ignore_index,
-    ...) is used. ``nonzero`` is the step's one host synchronisation."""
-    kv = key_valid.reshape(-1).to(torch.bool)
-    keep = kv
+    ...) is used; with ``fill_holes`` also every position between a row's first and last kept token (a sliding
+    window counts columns: kept tokens must be consecutive columns for the packed row to count the same).
+    ``nonzero`` is the step's one host synchronisation."""
+    kv = key_valid.to(torch.bool)
+    keep = kv.reshape(-1)
     for i in range(0, len(targets_and_ignore), 2):
         keep = keep | (targets_and_ignore[i].reshape(-1) != targets_and_ignore[i + 1])
+    if fill_holes:
+        k = keep.view(key_valid.shape).to(torch.int32)
+        before = k.cummax(1).values.bool()
+        after = k.flip(1).cummax(1).values.flip(1).bool()
+        keep = (before & after).reshape(-1)
     idx = torch.nonzero(keep).reshape(-1)
     cols = key_valid.shape[1]
     docs = document_ranges(torch.div(idx, cols, rounding_mode="floor").unsqueeze(0))
-    return idx, docs, kv.index_select(0, idx).unsqueeze(0)
-
-
-def rows_contiguous(idx: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """True where every row's kept tokens are consecutive columns (a sliding window then spans the same tokens
-    packed as padded): per row, last kept index - first + 1 == count. Reductions by row, no data-dependent branch
-    (the count of kept tokens is an unbacked size)."""
-    row = torch.div(idx, cols, rounding_mode="floor")
-    count = torch.zeros(rows, dtype=idx.dtype, device=idx.device).index_add_(0, row, torch.ones_like(idx))
-    first = torch.full((rows,), rows * cols, dtype=idx.dtype, device=idx.device).scatter_reduce(0, row, idx, "amin")
-    last = torch.full((rows,), -1, dtype=idx.dtype, device=idx.device).scatter_reduce(0, row, idx, "amax")
-    return ((last - first + 1 == count) | (count == 0)).all()
+    return idx, docs, kv.reshape(-1).index_select(0, idx).unsqueeze(0)
 
 
 def gather_rows_positions(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
@@ -146,6 +145,9 @@ def _call(g: fx.Graph, fn, args, name=None) -> fx.Node:
 
 def _unpad(gm: fx.GraphModule, ctx) -> int:
     g = gm.graph
+    if ctx.verify is not None:
+        raise _Skip("options['verify'] compares every output position with the padded graph's, and the padding "
+                    "positions of the returned logits / hidden states change by design (0 where dropped)")
     embs = [n for n in g.nodes if n.op == "call_function" and n.target is F.embedding]
     if len(embs) != 1:
         raise _Skip(f"{len(embs)} embedding lookups in the graph (one, where the tokens enter, is needed)")
@@ -170,7 +172,9 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     kv_val = node_val(kv)
     if kv_val is None or kv_val.dim() != 2 or tuple(kv_val.shape) != tuple(node_val(emb).shape[:2]):
         raise _Skip("the key padding mask is not [B, S] like the tokens")
-    uniform = any((list(a.args) + [0] * 9)[8] == MASKED_ROWS_UNIFORM for a in r.attention)
+    if any((list(a.args) + [0] * 9)[8] == MASKED_ROWS_UNIFORM for a in r.attention):
+        raise _Skip("the attention sites average every key of a fully masked row (eager attention's finfo.min "
+                    "masks): a left-padded row's padding outputs would differ from eager's in the packed row")
     window = any((list(a.args) + [0] * 8)[7] not in (0, None) for a in r.attention)
     for o in r.outputs:
         if any(t in (B, S, T) for t in r.tags[o]) and r.tags[o][:2] != (B, S):
@@ -185,27 +189,21 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     # -- the kept tokens, once, before the embedding
     _allow_dynamic_output_shapes(ctx)
     targets: List[Any] = []
-    if not uniform:
-        for loss in r.losses:
-            tgt = loss.args[2]
-            ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
-            if tgt in region or (r.inputs.get(tgt) != (T,)):
-                raise _Skip(f"{loss}: its target is not a flat [B * S] tensor from outside the region")
-            _hoist(tgt, emb, region)
-            targets += [tgt, ignore]
+    for loss in r.losses:
+        tgt = loss.args[2]
+        ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
+        if tgt in region or (r.inputs.get(tgt) != (T,)):
+            raise _Skip(f"{loss}: its target is not a flat [B * S] tensor from outside the region")
+        _hoist(tgt, emb, region)
+        targets += [tgt, ignore]
     with g.inserting_before(emb):
-        packed = _call(g, packed_index, [kv] + targets, "fxfuse_packed")
+        packed = _call(g, packed_index, [kv, window] + targets, "fxfuse_packed")
         idx = _call(g, operator.getitem, [packed, 0], "fxfuse_idx")
         docs = _call(g, operator.getitem, [packed, 1], "fxfuse_doc_ranges")
         kv_packed = _call(g, operator.getitem, [packed, 2], "fxfuse_key_valid")
         n_tok = g.call_method("size", (idx, 0))
         rows = g.call_method("size", (kv, 0))
         cols = g.call_method("size", (kv, 1))
-        if window:
-            ok = _call(g, rows_contiguous, [idx, rows, cols])
-            _call(g, torch._assert_async, [ok, "fxfuse unpad_tokens: a sliding-window attention site needs every "
-                                                "row's tokens to be consecutive columns (padding only at the ends of "
-                                                "a row); run with options={'passes': {'unpad_tokens': False}}"])
         ids = emb.args[0]
         ids_packed = _call(g, gather_rows_positions, [ids, idx, 0], "fxfuse_ids")
     emb.replace_input_with(ids, ids_packed)
@@ -253,14 +251,11 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     g.lint()
     gm.recompile()
     ctx.fused(emb, "padded batch -> one packed row of its real tokens (token-wise graph on N tokens)",
-              saved_bytes=None, attention_sites=len(r.attention), loss_sites=len(r.losses),
-              padding_kept_for_labels=not uniform,
-              note=("a left-padded row's first-token loss term (predicted from padding) is left out: these "
-                    "attention sites average every key of a fully masked row") if uniform else "")
+              saved_bytes=None, attention_sites=len(r.attention), loss_sites=len(r.losses))
     return 1
 
 
-@register_pass(name=NAME, enabled_by_default=False,
+@register_pass(name=NAME,
                description="padded batch (attention masks read as key padding) -> the token-wise graph on the real "
                            "tokens only, as one packed row of documents; outputs scattered back")
 def unpad_tokens_pass(gm: fx.GraphModule, ctx) -> int:
@@ -268,7 +263,8 @@ def unpad_tokens_pass(gm: fx.GraphModule, ctx) -> int:
         return _unpad(gm, ctx)
     except _Skip as e:
         has_padding = any(n.op == "call_function" and n.target is _ATTENTION and
-                          (list(n.args) + [None] * 11)[10] is not None for n in gm.graph.nodes)
+                          (list(n.args) + [None] * 11)[10] is not None
+                          for m in ctx.graph_modules(gm) for n in m.graph.nodes)
         if has_padding:  # only a graph with key padding had something to unpad: say why it stays padded
             ctx.skipped(next(iter(gm.graph.nodes)), "unpad a padded batch", str(e))
         return 0

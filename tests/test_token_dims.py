@@ -22,7 +22,7 @@ def _graph_after_fxfuse(model, *args, **kwargs):
     graphs = []
 
     def backend(gm, example_inputs):
-        PassManager(FxFuseOptions.parse({}), entry_point="backend",
+        PassManager(FxFuseOptions.parse({"passes": {"unpad_tokens": False}}), entry_point="backend",
                     can_substitute_outputs=True).run(gm, example_inputs, detect_fake_mode(example_inputs))
         graphs.append(gm)
         return gm.forward

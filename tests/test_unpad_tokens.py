@@ -1,0 +1,151 @@
+"""unpad_tokens: a padded batch's token-wise graph runs on the kept tokens as one packed row (issue 31).
+
+Tested as users call it (``torch.compile(model, backend="fxfuse")`` on a padded batch with labels): the loss and
+every gradient equal eager's on right-, left- and both-ends-padded batches, the logits at real positions equal
+eager's and read 0 where a position was dropped; no recompile as the number of real tokens changes; what is not
+handled is left padded, with the reason in the report (attention sites that average every key of a fully masked
+row: HF eager attention's ``finfo.min`` masks, Llama eager, Gemma-2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxfuse
+from conftest import tiny_causal_lm
+
+pytestmark = pytest.mark.slow  # compiles whole models
+
+
+def _batch(pad: str, rows: int = 3, cols: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 128, (rows, cols), generator=g)
+    am = torch.ones(rows, cols, dtype=torch.long)
+    if pad in ("right", "mixed"):
+        am[0, cols - 3:] = 0
+    if pad in ("left", "mixed"):
+        am[1, :4] = 0
+    if pad == "mixed":
+        am[2, :2] = 0
+        am[2, -2:] = 0
+    if pad == "one_token":
+        am[0, 1:] = 0
+    return ids, am, ids.masked_fill(am == 0, -100)
+
+
+def _run(model, ids, am, labels, compiled, **kw):
+    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", **kw}) if compiled else model
+    out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out, grads
+
+
+def _unpad_records(kind="fused"):
+    rep = fxfuse.report()
+    return [r for r in getattr(rep, kind) if r.pass_name == "unpad_tokens"]
+
+
+@pytest.mark.parametrize("arch,attn,uniform", [
+    ("llama", "sdpa", False),    # SDPA with a bool mask: a fully masked row gives zeros
+    ("qwen3", "sdpa", False),
+    ("llama", "eager", True),    # finfo.min masks: a fully masked row averages every key of the padded row
+    ("gemma2", "eager", True),   # + softcap, sliding window
+])
+@pytest.mark.parametrize("pad", ["right", "left", "mixed", "one_token"])
+def test_padded_batch_equals_eager(arch, attn, uniform, pad):
+    ids, am, labels = _batch(pad)
+    model = tiny_causal_lm(arch, attn_implementation=attn)
+    ref, ref_grads = _run(model, ids, am, labels, False)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    out, grads = _run(model, ids, am, labels, True)
+
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=1e-6), (out.loss, ref.loss)
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    real = am.bool()
+    logits = out.logits.float()
+    assert torch.allclose(logits[real], ref.logits[real], atol=1e-5)
+    if uniform:  # left padded, with the reason
+        assert not _unpad_records() and "fully masked row" in _unpad_records("skipped")[0].reason
+        return
+    kept = real.clone()
+    kept[:, :-1] |= labels[:, 1:] != -100  # padding positions whose shifted label is used: kept, eager's values
+    assert torch.allclose(logits[kept], ref.logits[kept], atol=1e-5)
+    assert (logits[~kept] == 0).all()
+    assert len(_unpad_records()) == 1, str(fxfuse.report())
+
+
+def test_no_recompile_as_the_real_token_count_changes():
+    """Padded to the longest row, a new length and a new count of real tokens every batch: the graphs compiled
+    are those plain torch.compile makes (static, then one with a symbolic length), every loss eager's."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(1)
+
+    def batches():
+        for step in range(8):
+            cols = 10 if step < 4 else 12 + step
+            lens = torch.randint(1, cols + 1, (3,), generator=g)
+            ids = torch.randint(4, 128, (3, cols), generator=g)
+            am = (torch.arange(cols)[None] < lens[:, None]).long()
+            yield ids, am, ids.masked_fill(am == 0, -100)
+
+    counts = {}
+    for unpad in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        fxfuse.clear_reports()
+        fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
+                                                             "passes": {"unpad_tokens": unpad}})
+        for ids, am, labels in batches():
+            out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+            ref = model(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+            assert torch.allclose(out.loss, ref.loss, rtol=1e-6), (out.loss, ref.loss)
+        counts[unpad] = counters["stats"]["unique_graphs"]
+        assert bool(_unpad_records()) == unpad
+    assert counts[True] == counts[False] == 2, counts
+
+
+def test_option_turns_it_off():
+    ids, am, labels = _batch("right")
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    _run(model, ids, am, labels, True, passes={"unpad_tokens": False})
+    assert not _unpad_records() and not _unpad_records("skipped")
+
+
+def test_gradient_checkpointing_stays_padded_and_says_why():
+    ids, am, labels = _batch("right")
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ref, ref_grads = _run(model, ids, am, labels, False)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    out, grads = _run(model, ids, am, labels, True)
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-6)
+    skipped = _unpad_records("skipped")
+    assert skipped and "checkpoint" in skipped[0].reason, str(fxfuse.report())
+
+
+def test_window_with_a_hole_in_a_row():
+    """A sliding window counts columns: padding inside a row (not at its ends) is kept in the packed row, so the
+    window spans the same tokens as in the padded one."""
+    ids, am, labels = _batch("right", rows=2, cols=12)
+    am[1, 5:7] = 0  # a hole in the middle of row 1 (column 5's shifted label is a pad: dropped but for the window)
+    labels = ids.masked_fill(am == 0, -100)
+    model = tiny_causal_lm("mistral", attn_implementation="sdpa", sliding_window=4)
+    ref, ref_grads = _run(model, ids, am, labels, False)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    out, grads = _run(model, ids, am, labels, True)
+    assert _unpad_records(), str(fxfuse.report())
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=1e-6), (out.loss, ref.loss)
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    real = am.bool()
+    assert torch.allclose(out.logits.float()[real], ref.logits[real], atol=1e-5)
