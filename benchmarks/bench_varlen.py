@@ -11,7 +11,8 @@ Sections (argv; default all): check attn e2e long
          (median 300, sigma 1.0, clipped to [16, 4096]; the same lengths for every implementation), padded
          ([8, longest] + attention mask, pads -100) and packed (one row, position ids restarting per document,
          -100 at document starts): graphs compiled, compile seconds, real (non-pad) tokens/s over the steps that
-         compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default)
+         compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default; fxfuse-nounpad: fxfuse without
+         unpad_tokens), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16
   long   Llama-3-8B-shaped layers (LONG_LAYERS, default 4) with PEFT LoRA r16 on all projections and HF gradient
          checkpointing, batch 1 at 16384 then 32768 tokens (the recompile with a symbolic length): both train
 
@@ -216,6 +217,11 @@ def _counting(backend_name):
     stats = {"graphs": 0, "compile_s": 0.0}
     if backend_name == "fxfuse":
         from fxfuse.backend import fxfuse as inner
+    elif backend_name == "fxfuse-nounpad":
+        from fxfuse.backend import fxfuse as full
+
+        def inner(gm, example_inputs):
+            return full(gm, example_inputs, options={"passes": {"unpad_tokens": False}})
     else:
         from torch._inductor.compile_fx import compile_fx as inner
 
@@ -283,7 +289,7 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
             times.append(dt)
             toks += real
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else float("nan")
-    fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}) if impl == "fxfuse" else []
+    fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}) if impl.startswith("fxfuse") else []
     del model, opt, fwd
     torch._dynamo.reset()
     if DEV == "cuda":
@@ -301,7 +307,8 @@ def sec_e2e():
                           num_key_value_heads=2, vocab_size=500, max_position_embeddings=8192)
         steps, docs = 4, 3
     else:
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=int(os.environ.get("E2E_LAYERS", 16)), num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=32768,
                           tie_word_embeddings=True)
         steps, docs = int(os.environ.get("E2E_STEPS", 24)), 8
@@ -312,8 +319,8 @@ def sec_e2e():
         for impl in impls:
             try:
                 r = _train(model_fn, impl, layout, steps, docs, cfg.vocab_size)
-                emit(section="e2e", shape="llama3.2-1b", tune="full", layout=layout, impl=impl, steps=steps,
-                     docs_per_step=docs, **r)
+                emit(section="e2e", shape="llama3.2-1b", layers=cfg.num_hidden_layers, tune="full", layout=layout,
+                     impl=impl, steps=steps, docs_per_step=docs, **r)
             except Exception as e:
                 emit(section="e2e", shape="llama3.2-1b", layout=layout, impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}")
                 traceback.print_exc()

@@ -248,6 +248,19 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
                 back = _call(g, scatter_rows_positions, [o, idx, rows, cols])
             out.replace_input_with(o, back)
             ctx.retarget_substitutions(o, back)  # e.g. the lazy logits rebuilt from these hidden states
+    # -- projections on the packed [1, N, D] row run as [N, D] matmuls (squeeze / unsqueeze of the static 1): the
+    # 3-D matmul's folding path reads the row count as an int in torch 2.11 (seen on the GPU machine: "could not
+    # extract specialized integer from data-dependent expression u0"); a 2-D mm takes the unbacked count as is
+    for n in r.nodes:
+        if n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear) and r.tags[n][:2] == (B, S) \
+                and len(r.tags[n]) == 3:
+            x = n.args[0]
+            with g.inserting_before(n):
+                x2 = g.call_method("squeeze", (x, 0))
+            n.args = (x2,) + tuple(n.args[1:])
+            with g.inserting_after(n):
+                y3 = g.call_method("unsqueeze", (n, 0))
+            n.replace_all_uses_with(y3, delete_user_cb=lambda u: u is not y3)
     g.lint()
     gm.recompile()
     ctx.fused(emb, "padded batch -> one packed row of its real tokens (token-wise graph on N tokens)",
@@ -255,7 +268,7 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     return 1
 
 
-@register_pass(name=NAME,
+@register_pass(name=NAME, enabled_by_default=False,
                description="padded batch (attention masks read as key padding) -> the token-wise graph on the real "
                            "tokens only, as one packed row of documents; outputs scattered back")
 def unpad_tokens_pass(gm: fx.GraphModule, ctx) -> int:

@@ -33,7 +33,8 @@ def _batch(pad: str, rows: int = 3, cols: int = 12, seed: int = 0):
 
 
 def _run(model, ids, am, labels, compiled, **kw):
-    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", **kw}) if compiled else model
+    opts = {"compiler": "aot_eager", "passes": {"unpad_tokens": True}, **kw}  # opt-in while its GPU run is pending
+    fn = torch.compile(model, backend="fxfuse", options=opts) if compiled else model
     out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -109,13 +110,17 @@ def test_no_recompile_as_the_real_token_count_changes():
     assert counts[True] == counts[False] == 2, counts
 
 
-def test_option_turns_it_off():
+@pytest.mark.parametrize("passes", [{"unpad_tokens": False}, None])  # turned off; the default (off for now)
+def test_option_turns_it_off(passes):
     ids, am, labels = _batch("right")
     model = tiny_causal_lm("llama", attn_implementation="sdpa")
     fxfuse.clear_reports()
     torch._dynamo.reset()
-    _run(model, ids, am, labels, True, passes={"unpad_tokens": False})
+    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
+                                                         **({"passes": passes} if passes else {})})
+    fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
     assert not _unpad_records() and not _unpad_records("skipped")
+    assert fxfuse.report().fused  # the other passes ran
 
 
 def test_gradient_checkpointing_stays_padded_and_says_why():
