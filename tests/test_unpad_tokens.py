@@ -154,3 +154,34 @@ def test_window_with_a_hole_in_a_row():
         assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
     real = am.bool()
     assert torch.allclose(out.logits.float()[real], ref.logits[real], atol=1e-5)
+
+
+@pytest.mark.parametrize("num_items", [False, True])
+def test_peft_lora_and_num_items_in_batch(num_items):
+    """PEFT LoRA on every projection (fused by lora_linear / lora_horizontal, then unpadded), and the Trainer's
+    ``num_items_in_batch`` (sum, then divided outside the loss op): loss and every adapter gradient as eager."""
+    import peft
+
+    ids, am, labels = _batch("mixed")
+    model = peft.get_peft_model(tiny_causal_lm("llama", attn_implementation="sdpa"), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    kw = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if num_items else {}
+
+    def run(fn):
+        out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False, **kw)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad()
+        return out.loss, grads
+
+    ref, ref_grads = run(model)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    loss, grads = run(torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
+                                                                      "passes": {"unpad_tokens": True}}))
+    assert torch.allclose(loss, ref, rtol=1e-6), (loss, ref)
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    rep = fxfuse.report()
+    assert _unpad_records() and [r for r in rep.fused if r.pass_name.startswith("lora")], str(rep)
