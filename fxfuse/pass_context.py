@@ -44,6 +44,7 @@ class PassContext:
         self.pending_records: List[SiteRecord] = []  # this pass's records, kept if its rewrite validates
         self.pending_substitutions: List[OutputSubstitution] = []  # likewise
         self.pending_retargets: List[Tuple[fx.Node, fx.Node]] = []  # likewise (see retarget_substitutions)
+        self.relayouts: List[fx.GraphModule] = []  # this pass's subgraphs whose outputs change layout
         self.substitutions: List[OutputSubstitution] = []  # kept from passes that validated
         self.verify = None  # verify.Reference when options["verify"]
 
@@ -53,6 +54,7 @@ class PassContext:
         self.pending_records = []
         self.pending_substitutions = []
         self.pending_retargets = []
+        self.relayouts = []
 
     def commit(self) -> None:
         """The pass validated: keep what it recorded."""
@@ -68,6 +70,12 @@ class PassContext:
         outputs (e.g. hidden states scattered back to the padded layout): read ``new`` instead, if this pass
         validates (a rolled-back pass leaves the substitutions as they were)."""
         self.pending_retargets.append((old, new))
+
+    def relayout_subgraph(self, body: fx.GraphModule) -> None:
+        """This pass changes the layout of what subgraph ``body`` returns (a checkpoint body that now returns the
+        packed row its caller passes it): its outputs are not compared with their old shapes, and the new ones
+        become its baseline if the pass validates. The root graph's outputs are always compared."""
+        self.relayouts.append(body)
 
     def _retargeted(self, subs: List[OutputSubstitution]) -> List[OutputSubstitution]:
         if not self.pending_retargets:

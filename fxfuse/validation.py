@@ -251,8 +251,13 @@ def propagate(gm: fx.GraphModule, fake_mode, example_inputs: Optional[Sequence[A
             cur = _value(n)
             if n.op == "placeholder":
                 operand = next(body_ph, None)
-                if cur is None and isinstance(operand, fx.Node):
-                    cur = _value(operand)
+                # a body's input holds what its operand holds: when a pass changed the operand (a packed row
+                # instead of a padded batch), the body's nodes that read it run again
+                new = _value(operand) if isinstance(operand, fx.Node) else None
+                if new is not None and (cur is None or not _same_meta(cur, new)):
+                    if cur is not None:
+                        changed.add(n)
+                    cur = new
                     n.meta["val"] = cur
                 if cur is None and n.op == "placeholder":
                     cur = n.meta.get("val")

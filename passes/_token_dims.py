@@ -54,6 +54,7 @@ class TokenRegion:
     outputs: List[fx.Node] = field(default_factory=list)           # region tensors read outside it: scatter
     sizes: Dict[fx.Node, Tuple[Any, ...]] = field(default_factory=dict)  # size args, token dims as markers
     attention: List[fx.Node] = field(default_factory=list)          # fxfuse attention sites to re-target
+    bodies: List[Tuple[fx.Node, fx.GraphModule]] = field(default_factory=list)  # checkpoint calls in the region
     losses: List[fx.Node] = field(default_factory=list)             # fxfuse lm-head loss sites
     refused: Optional[Tuple[fx.Node, str]] = None
 
@@ -80,6 +81,7 @@ _ELEMENTWISE_METHODS = {
 }
 _REDUCTION_METHODS = {"mean", "sum", "amax", "amin"}
 _RESHAPE_METHODS = {"view", "reshape", "flatten", "unsqueeze", "squeeze"}
+_BODY_HOPS = ("tag_activation_checkpoint", "wrap")  # higher-order ops whose body the analysis descends into
 
 
 def _val(n):
@@ -115,6 +117,7 @@ class _Analysis:
         self.Bn, self.Sn = shape[0], shape[1]
         self._set(start, (B, S) + (None,) * (len(shape) - 2))
         self.gm = gm
+        self.bodies: Dict[int, Any] = {}  # id(body) -> (operand tags it was analysed with, output tags)
 
     # -- bookkeeping
     def _set(self, n: fx.Node, tags) -> None:
@@ -328,13 +331,59 @@ class _Analysis:
             self.r.losses.append(n)
             reduction = n.args[5] if len(n.args) > 5 else n.kwargs.get("reduction", "mean")
             return (T,) if reduction == "none" else ()
+        if n.op == "call_function" and getattr(t, "__name__", "") in _BODY_HOPS:
+            return self.body_call(n)
         raise _Refuse(f"{n} ({n.op} {getattr(t, '__name__', t)}) reads a token tensor and is not known to act "
                       "on each token alone")
 
-    def run(self) -> TokenRegion:
-        after = False
-        for n in self.gm.graph.nodes:
-            if n is self.r.start:
+    def body_call(self, n: fx.Node) -> list:
+        """A checkpoint region (``tag_activation_checkpoint`` / ``wrap``): its body is analysed with its
+        placeholders tagged as the operands feeding them; a dense operand the body reads along a token dimension
+        enters the region here (it is gathered before the call, so the body receives it packed)."""
+        body = getattr(self.gm, n.args[0].target) if n.args[0].op == "get_attr" else None
+        if not isinstance(body, fx.GraphModule):
+            raise _Refuse(f"{n}: its body is not a GraphModule of this graph")
+        operands = list(n.args[1:])
+        phs = [p for p in body.graph.nodes if p.op == "placeholder"]
+        if len(phs) != len(operands):
+            raise _Refuse(f"{n}: {len(operands)} operands for {len(phs)} body inputs")
+        seeds = tuple(self.r.tags.get(a) if isinstance(a, fx.Node) and a in self.in_region else None
+                      for a in operands)
+        known = self.bodies.get(id(body))
+        if known is not None:
+            if known[0] != seeds:
+                raise _Refuse(f"{n}: its body is shared with another call fed other token layouts")
+            return known[1]
+        for p, a in zip(phs, operands):  # the body's placeholders hold their operands' values
+            if p.meta.get("val") is None and isinstance(a, fx.Node) and node_val(a) is not None:
+                p.meta["val"] = node_val(a)
+        inner = _Analysis.__new__(_Analysis)
+        inner.r, inner.in_region, inner.Bn, inner.Sn, inner.gm, inner.bodies = (
+            self.r, self.in_region, self.Bn, self.Sn, body, self.bodies)
+        for p, tags in zip(phs, seeds):
+            if tags is not None:
+                inner._set(p, tags)
+        before = set(self.r.inputs)
+        inner.walk(body.graph.nodes, start=None)
+        if self.r.refused is not None:
+            raise _Refuse(self.r.refused[1] + f" (in the checkpoint body of {n})")
+        for p, a in zip(phs, operands):  # body placeholders read as token tensors: their operands are gathered
+            if p in self.r.inputs and p not in before:
+                tags = self.r.inputs.pop(p)
+                if isinstance(a, fx.Node) and a not in self.in_region:
+                    self._dense(a, tags, n)
+        out = next(x for x in body.graph.nodes if x.op == "output")
+        outs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+        out_tags = [self.r.tags.get(o) if isinstance(o, fx.Node) and o in self.in_region else None for o in outs]
+        self.r.outputs = [o for o in self.r.outputs if o.graph is not body.graph]  # read by the caller: inside
+        self.r.bodies.append((n, body))
+        self.bodies[id(body)] = (seeds, out_tags)
+        return out_tags
+
+    def walk(self, nodes, start: Optional[fx.Node]) -> None:
+        after = start is None
+        for n in nodes:
+            if n is start:
                 after = True
                 continue
             if not after:
@@ -349,10 +398,13 @@ class _Analysis:
                 tags = self.rule(n)
             except _Refuse as e:
                 self.r.refused = (n, str(e))
-                return self.r
+                return
+            if tags is None:  # e.g. a checkpoint body's output that holds no token dimension
+                continue
             self._set(n, tags)
-        # region values read by nodes that never joined it (only the output node here: every other reader of a
-        # region value was either placed in the region or refused)
+
+    def run(self) -> TokenRegion:
+        self.walk(self.gm.graph.nodes, self.r.start)
         return self.r
 
 

@@ -149,29 +149,45 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
         raise _Skip("options['verify'] compares every output position with the padded graph's, and the padding "
                     "positions of the returned logits / hidden states change by design (0 where dropped)")
     embs = [n for n in g.nodes if n.op == "call_function" and n.target is F.embedding]
-    if len(embs) != 1:
+    if len(embs) > 1:
         raise _Skip(f"{len(embs)} embedding lookups in the graph (one, where the tokens enter, is needed)")
+    if not embs:  # the embeddings arrive as an input (a graph break after the lookup, e.g. PEFT's input hook)
+        embs = [n for n in g.nodes if n.op == "placeholder" and isinstance(node_val(n), torch.Tensor)
+                and node_val(n).dim() == 3 and node_val(n).is_floating_point()
+                and not isinstance(node_val(n), torch.nn.Parameter)]
+        if len(embs) != 1:
+            raise _Skip("no embedding lookup, and not one [B, S, D] input the tokens could enter from")
     emb = embs[0]
-    if any(m is not gm and any(n.target is _ATTENTION for n in m.graph.nodes) for m in ctx.graph_modules(gm)):
-        raise _Skip("attention inside checkpoint bodies: not handled yet")
     r = token_region(gm, emb)
     if not r.ok:
         node, why = r.refused
         raise _Skip(f"the token region ends at {node}: {why}")
     if not r.attention:
         raise _Skip("no attention site in the token region")
+    feeds = {}  # body placeholder -> the operand of the checkpoint call that feeds it
+    for call, body in r.bodies:
+        for ph, a in zip([p for p in body.graph.nodes if p.op == "placeholder"], call.args[1:]):
+            feeds[ph] = a
+
+    def outer(n):  # through casts, and from a checkpoint body's input to what feeds it
+        n = _source(n)
+        while n in feeds:
+            n = _source(feeds[n])
+        return n
+
     kvs = set()
     for a in r.attention:
         args = list(a.args) + [None] * (11 - len(a.args))
         if args[3] is not None or args[9] is not None or args[10] is None:
             raise _Skip(f"{a}: not a key-padding recipe (mask tensor, documents, or no padding flags)")
-        kvs.add(_source(args[10]))
+        kvs.add(outer(args[10]))
     if len(kvs) != 1:
         raise _Skip("attention sites read different padding masks")
     kv = kvs.pop()
     kv_val = node_val(kv)
-    if kv_val is None or kv_val.dim() != 2 or tuple(kv_val.shape) != tuple(node_val(emb).shape[:2]):
-        raise _Skip("the key padding mask is not [B, S] like the tokens")
+    if kv.graph is not g or kv_val is None or kv_val.dim() != 2 or \
+            tuple(kv_val.shape) != tuple(node_val(emb).shape[:2]):
+        raise _Skip("the key padding mask is not a [B, S] tensor of the graph, like the tokens")
     if any((list(a.args) + [0] * 9)[8] == MASKED_ROWS_UNIFORM for a in r.attention):
         raise _Skip("the attention sites average every key of a fully masked row (eager attention's finfo.min "
                     "masks): a left-padded row's padding outputs would differ from eager's in the packed row")
@@ -179,12 +195,16 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     for o in r.outputs:
         if any(t in (B, S, T) for t in r.tags[o]) and r.tags[o][:2] != (B, S):
             raise _Skip(f"the graph returns {o} with token dimensions {r.tags[o]}, not [B, S, ...]")
-    gathers: List[Tuple[fx.Node, tuple]] = []
-    for x, tags in r.inputs.items():
-        if x is kv and all(u in r.attention for u in x.users):
-            continue
-        gathers.append((x, tags))
+    if not r.losses and any(any(t in (B, S, T) for t in r.tags[o]) for o in r.outputs):
+        # which padding positions matter is known only where the labels meet the hidden states
+        raise _Skip("the loss is computed in another graph (a graph break between the decoder and the lm-head), "
+                    "which may read padding positions of the hidden states this graph returns")
     region = set(r.nodes)
+    gathers: List[Tuple[fx.Node, tuple]] = list(r.inputs.items())
+    for x, tags in gathers:
+        if not (T in tags or (B in tags and S in tags and tags.index(S) == tags.index(B) + 1)
+                or (S in tags and B not in tags)):
+            raise _Skip(f"{x} enters the token region with token dimensions {tags}")
 
     # -- the kept tokens, once, before the embedding
     _allow_dynamic_output_shapes(ctx)
@@ -196,38 +216,55 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
             raise _Skip(f"{loss}: its target is not a flat [B * S] tensor from outside the region")
         _hoist(tgt, emb, region)
         targets += [tgt, ignore]
-    with g.inserting_before(emb):
-        packed = _call(g, packed_index, [kv, window] + targets, "fxfuse_packed")
-        idx = _call(g, operator.getitem, [packed, 0], "fxfuse_idx")
-        docs = _call(g, operator.getitem, [packed, 1], "fxfuse_doc_ranges")
-        kv_packed = _call(g, operator.getitem, [packed, 2], "fxfuse_key_valid")
-        n_tok = g.call_method("size", (idx, 0))
-        rows = g.call_method("size", (kv, 0))
-        cols = g.call_method("size", (kv, 1))
-        ids = emb.args[0]
-        ids_packed = _call(g, gather_rows_positions, [ids, idx, 0], "fxfuse_ids")
-    emb.replace_input_with(ids, ids_packed)
+    packed: Dict[fx.Graph, _Packed] = {}
+    at = emb if emb.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(at):
+        vec = _call(g, packed_index, [kv, window] + targets, "fxfuse_packed")
+        top = _Packed(g, _call(g, operator.getitem, [vec, 0], "fxfuse_idx"),
+                      _call(g, operator.getitem, [vec, 1], "fxfuse_doc_ranges"),
+                      _call(g, operator.getitem, [vec, 2], "fxfuse_key_valid"), kv)
+        if emb.op == "placeholder":  # the embeddings themselves: gathered, every use reads the packed row
+            entry = _call(g, gather_rows_positions, [emb, top.idx, 0], "fxfuse_embeds")
+            emb.replace_all_uses_with(entry, delete_user_cb=lambda u: u is not entry)
+        else:  # the token ids before the lookup
+            ids = emb.args[0]
+            emb.replace_input_with(ids, _call(g, gather_rows_positions, [ids, top.idx, 0], "fxfuse_ids"))
+    packed[g] = top
+    # checkpoint bodies get the same vectors as new inputs (outer bodies first: a call's graph is done before it)
+    todo = list(r.bodies)
+    while todo:
+        call, body = next((c, b) for c, b in todo if c.graph in packed)
+        todo.remove((call, body))
+        src = packed[call.graph]
+        phs = [p for p in body.graph.nodes if p.op == "placeholder"]
+        new, last = [], phs[-1]
+        for k in ("idx", "doc_ranges", "key_valid", "mask"):  # in operand order
+            with body.graph.inserting_after(last):
+                last = body.graph.placeholder(f"fxfuse_unpad_{k}")
+            new.append(last)
+        call.args = tuple(call.args) + (src.idx, src.docs, src.kv_packed, src.kv)
+        packed[body.graph] = _Packed(body.graph, *new)
 
-    # -- what enters the region, gathered where it enters
+    # -- what enters the region, gathered where it enters (in the graph of its first region user)
     for x, tags in gathers:
         users = [u for u in x.users if u in region]
-        first = min(users, key=lambda u: list(g.nodes).index(u))
-        with g.inserting_before(first):
+        first = min(users, key=lambda u: list(x.graph.nodes).index(u))
+        pk = packed[x.graph]
+        with x.graph.inserting_before(first):
             if T in tags:
-                y = _call(g, gather_flat, [x, idx, tags.index(T)])
-            elif B in tags and S in tags and tags.index(S) == tags.index(B) + 1:
-                y = _call(g, gather_rows_positions, [x, idx, tags.index(B)])
-            elif S in tags and B not in tags:
-                y = _call(g, gather_positions, [x, idx, tags.index(S), cols])
+                y = _call(x.graph, gather_flat, [x, pk.idx, tags.index(T)])
+            elif B in tags:
+                y = _call(x.graph, gather_rows_positions, [x, pk.idx, tags.index(B)])
             else:
-                raise _Skip(f"{x} enters the token region with token dimensions {tags}")
+                y = _call(x.graph, gather_positions, [x, pk.idx, tags.index(S), pk.cols])
         for u in users:
             u.replace_input_with(x, y)
 
     # -- baked sizes
     # (a -1 for a feature dimension becomes its value: inferring it would divide by the unbacked N, a guard)
-    marker = {B: 1, S: n_tok, T: n_tok}
     for n, sizes in r.sizes.items():
+        pk = packed[n.graph]
+        marker = {B: 1, S: pk.n_tok, T: pk.n_tok}
         shape = node_val(n).shape
         new = tuple(marker[s] if isinstance(s, str) else
                     (shape[i] if s == -1 and isinstance(shape[i], int) else s) for i, s in enumerate(sizes))
@@ -235,8 +272,9 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
 
     # -- attention sites: key padding -> packed documents
     for a in r.attention:
+        pk = packed[a.graph]
         args = list(a.args) + [None] * (11 - len(a.args))
-        args[9], args[10] = docs, kv_packed
+        args[9], args[10] = pk.docs, pk.kv_packed
         a.args = tuple(args[:11])
         a.kwargs = {}
 
@@ -245,7 +283,7 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     for o in r.outputs:
         if r.tags[o][:2] == (B, S):
             with g.inserting_before(out):
-                back = _call(g, scatter_rows_positions, [o, idx, rows, cols])
+                back = _call(g, scatter_rows_positions, [o, top.idx, top.rows, top.cols])
             out.replace_input_with(o, back)
             ctx.retarget_substitutions(o, back)  # e.g. the lazy logits rebuilt from these hidden states
     # -- projections on the packed [1, N, D] row run as [N, D] matmuls (squeeze / unsqueeze of the static 1): the
@@ -254,18 +292,34 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
     for n in r.nodes:
         if n.op == "call_function" and n.target in (F.linear, torch._C._nn.linear) and r.tags[n][:2] == (B, S) \
                 and len(r.tags[n]) == 3:
-            x = n.args[0]
-            with g.inserting_before(n):
-                x2 = g.call_method("squeeze", (x, 0))
+            x, ng = n.args[0], n.graph
+            with ng.inserting_before(n):
+                x2 = ng.call_method("squeeze", (x, 0))
             n.args = (x2,) + tuple(n.args[1:])
-            with g.inserting_after(n):
-                y3 = g.call_method("unsqueeze", (n, 0))
+            with ng.inserting_after(n):
+                y3 = ng.call_method("unsqueeze", (n, 0))
             n.replace_all_uses_with(y3, delete_user_cb=lambda u: u is not y3)
+    for _, body in r.bodies:
+        body.graph.lint()
+        body.recompile()
+        ctx.relayout_subgraph(body)  # it now returns the packed row it is passed
     g.lint()
     gm.recompile()
     ctx.fused(emb, "padded batch -> one packed row of its real tokens (token-wise graph on N tokens)",
-              saved_bytes=None, attention_sites=len(r.attention), loss_sites=len(r.losses))
+              saved_bytes=None, attention_sites=len(r.attention), loss_sites=len(r.losses),
+              checkpoint_bodies=len(r.bodies))
     return 1
+
+
+class _Packed:
+    """The packed-row vectors as nodes of one graph (the top graph, or a checkpoint body that receives them)."""
+
+    def __init__(self, graph: fx.Graph, idx: fx.Node, docs: fx.Node, kv_packed: fx.Node, kv: fx.Node):
+        self.idx, self.docs, self.kv_packed, self.kv = idx, docs, kv_packed, kv
+        with graph.inserting_after(max((idx, docs, kv_packed, kv), key=lambda n: list(graph.nodes).index(n))):
+            self.cols = graph.call_method("size", (kv, 1))
+            self.rows = graph.call_method("size", (kv, 0))
+            self.n_tok = graph.call_method("size", (idx, 0))
 
 
 @register_pass(name=NAME, enabled_by_default=False,
