@@ -27,20 +27,20 @@ def train_args(max_steps: int) -> dict:
                 dataloader_num_workers=0)
 
 
-def trainer_losses(make_trainer, use_fxfuse: bool, keys=("loss",)):
+def trainer_losses(make_trainer, use_fxfuse: bool, keys=("loss",), options=None):
     """Train a freshly built trainer (its model compiled in place by fxfuse, or not) and return the logged losses
     (with more ``keys``: those logged values too, in step order).
     Compiling ``trainer.model`` after building the trainer is the documented integration: the trainer keeps its
     object, and any PEFT wrapping the trainer did is already there."""
     trainer = make_trainer()
     if use_fxfuse:
-        trainer.model.compile(backend="fxfuse", options={"compiler": "aot_eager"})
+        trainer.model.compile(backend="fxfuse", options={"compiler": "aot_eager", **(options or {})})
     trainer.train()
     return [h[k] for h in trainer.state.log_history if "loss" in h for k in keys]
 
 
 def assert_losses_unchanged(make_trainer, n_steps: int, rel: float, abs: float, allow_rollback: bool = False,
-                            keys=("loss",)):
+                            keys=("loss",), options=None):
     """The per-step losses (and the other logged ``keys``) with fxfuse equal the unfused run's; returns fxfuse's
     reports. A rollback (if allowed) must say why."""
     import pytest
@@ -51,7 +51,7 @@ def assert_losses_unchanged(make_trainer, n_steps: int, rel: float, abs: float, 
     ref = trainer_losses(make_trainer, False, keys)
     torch._dynamo.reset()
     fxfuse.clear_reports()
-    got = trainer_losses(make_trainer, True, keys)
+    got = trainer_losses(make_trainer, True, keys, options)
     assert len(ref) == n_steps * len(keys) and got == pytest.approx(ref, rel=rel, abs=abs), (keys, got, ref)
     reps = fxfuse.reports()
     assert reps, "nothing was compiled"

@@ -210,3 +210,23 @@ def test_peft_lora_and_num_items_in_batch(num_items):
         assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
     rep = fxfuse.report()
     assert _unpad_records() and [r for r in rep.fused if r.pass_name.startswith("lora")], str(rep)
+
+
+def test_hf_trainer_with_a_padding_collator(tmp_path):
+    """HF Trainer, DataCollatorForLanguageModeling (pads each batch to its longest row, -100 on the pads), gradient
+    accumulation (the num_items_in_batch path): every logged loss as without fxfuse, the batches unpadded."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from _trainer_utils import assert_losses_unchanged, make_texts, make_tokenizer, train_args
+
+    def make():
+        tok = make_tokenizer()
+        ds = Dataset.from_dict({"text": make_texts(seed=3)}).map(lambda b: tok(b["text"]), batched=True,
+                                                                 remove_columns=["text"])
+        return Trainer(model=tiny_causal_lm("llama", attn_implementation="sdpa"),
+                       args=TrainingArguments(output_dir=str(tmp_path / "hf"), **train_args(max_steps=3)),
+                       train_dataset=ds, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+
+    reps = assert_losses_unchanged(make, n_steps=3, rel=1e-5, abs=1e-6, options={"passes": {"unpad_tokens": True}})
+    assert any(r.pass_name == "unpad_tokens" for rep in reps for r in rep.fused), [str(r) for r in reps]
