@@ -42,6 +42,19 @@ def _run(model, ids, am, labels, compiled, **kw):
     return out, grads
 
 
+def _compiled_matches_eager(model, ids, am, labels, grads=True):
+    """Eager, then compiled with unpad_tokens (reports cleared): the loss and (with ``grads``) every gradient
+    equal. Returns (eager output, compiled output)."""
+    ref, ref_grads = _run(model, ids, am, labels, False)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    out, got = _run(model, ids, am, labels, True)
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=1e-6), (out.loss, ref.loss)
+    for name, g in ref_grads.items() if grads else ():
+        assert (got[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    return ref, out
+
+
 def _unpad_records(kind="fused"):
     rep = fxfuse.report()
     return [r for r in getattr(rep, kind) if r.pass_name == "unpad_tokens"]
@@ -57,14 +70,7 @@ def _unpad_records(kind="fused"):
 def test_padded_batch_equals_eager(arch, attn, uniform, pad):
     ids, am, labels = _batch(pad)
     model = tiny_causal_lm(arch, attn_implementation=attn)
-    ref, ref_grads = _run(model, ids, am, labels, False)
-    fxfuse.clear_reports()
-    torch._dynamo.reset()
-    out, grads = _run(model, ids, am, labels, True)
-
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=1e-6), (out.loss, ref.loss)
-    for name, g in ref_grads.items():
-        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    ref, out = _compiled_matches_eager(model, ids, am, labels)
     real = am.bool()
     logits = out.logits.float()
     assert torch.allclose(logits[real], ref.logits[real], atol=1e-5)
@@ -131,13 +137,7 @@ def test_gradient_checkpointing():
     model = tiny_causal_lm("llama", attn_implementation="sdpa")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    ref, ref_grads = _run(model, ids, am, labels, False)
-    fxfuse.clear_reports()
-    torch._dynamo.reset()
-    out, grads = _run(model, ids, am, labels, True)
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-6), (out.loss, ref.loss)
-    for name, g in ref_grads.items():
-        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    ref, out = _compiled_matches_eager(model, ids, am, labels)
     rec = _unpad_records()
     assert rec and rec[0].detail["checkpoint_bodies"] == 2, str(fxfuse.report())
 
@@ -153,11 +153,7 @@ def test_loss_in_another_graph_stays_padded_and_says_why():
         r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj", "v_proj"]))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    ref, ref_grads = _run(model, ids, am, labels, False)
-    fxfuse.clear_reports()
-    torch._dynamo.reset()
-    out, grads = _run(model, ids, am, labels, True)
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-6), (out.loss, ref.loss)
+    _compiled_matches_eager(model, ids, am, labels, grads=False)
     skipped = _unpad_records("skipped")
     assert skipped and "another graph" in skipped[0].reason, str(fxfuse.report())
 
@@ -169,14 +165,8 @@ def test_window_with_a_hole_in_a_row():
     am[1, 5:7] = 0  # a hole in the middle of row 1 (column 5's shifted label is a pad: dropped but for the window)
     labels = ids.masked_fill(am == 0, -100)
     model = tiny_causal_lm("mistral", attn_implementation="sdpa", sliding_window=4)
-    ref, ref_grads = _run(model, ids, am, labels, False)
-    fxfuse.clear_reports()
-    torch._dynamo.reset()
-    out, grads = _run(model, ids, am, labels, True)
+    ref, out = _compiled_matches_eager(model, ids, am, labels)
     assert _unpad_records(), str(fxfuse.report())
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=1e-6), (out.loss, ref.loss)
-    for name, g in ref_grads.items():
-        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
     real = am.bool()
     assert torch.allclose(out.logits.float()[real], ref.logits[real], atol=1e-5)
 
