@@ -201,7 +201,8 @@ def _doctor(argv: Sequence[str]) -> int:
     print("== passes ==")
     for s in fxfuse.registered_passes():
         opts = ", ".join(f"{k}={v.show_default()}" for k, v in s.options.items())
-        print(f"  {s.name:<22} {s.description}" + (f"  [options: {opts}]" if opts else ""))
+        off = "" if s.enabled_by_default else "  [off by default: options={'passes': {'%s': True}}]" % s.name
+        print(f"  {s.name:<22} {s.description}" + (f"  [options: {opts}]" if opts else "") + off)
     return 0 if all(not r[2].startswith("FAILED") and "FAILED" not in r[1] for r in rows) else 1
 
 
