@@ -197,8 +197,9 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
             raise _Skip(f"the graph returns {o} with token dimensions {r.tags[o]}, not [B, S, ...]")
     if not r.losses and any(any(t in (B, S, T) for t in r.tags[o]) for o in r.outputs):
         # which padding positions matter is known only where the labels meet the hidden states
-        raise _Skip("the loss is computed in another graph (a graph break between the decoder and the lm-head), "
-                    "which may read padding positions of the hidden states this graph returns")
+        raise _Skip("the graph returns per-token values and computes no loss from them here (the loss is in "
+                    "another graph, after a graph break, or there is none): what reads them may read padding "
+                    "positions, which unpadding would change")
     region = set(r.nodes)
     gathers: List[Tuple[fx.Node, tuple]] = list(r.inputs.items())
     for x, tags in gathers:

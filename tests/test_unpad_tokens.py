@@ -29,6 +29,9 @@ def _batch(pad: str, rows: int = 3, cols: int = 12, seed: int = 0):
         am[2, -2:] = 0
     if pad == "one_token":
         am[0, 1:] = 0
+    if pad == "empty_row":  # a row of padding only, beside a left-padded one
+        am[0] = 0
+        am[1, :5] = 0
     return ids, am, ids.masked_fill(am == 0, -100)
 
 
@@ -66,7 +69,7 @@ def _unpad_records(kind="fused"):
     ("llama", "eager", True),    # finfo.min masks: a fully masked row averages every key of the padded row
     ("gemma2", "eager", True),   # + softcap, sliding window
 ])
-@pytest.mark.parametrize("pad", ["right", "left", "mixed", "one_token"])
+@pytest.mark.parametrize("pad", ["right", "left", "mixed", "one_token", "empty_row"])
 def test_padded_batch_equals_eager(arch, attn, uniform, pad):
     ids, am, labels = _batch(pad)
     model = tiny_causal_lm(arch, attn_implementation=attn)
