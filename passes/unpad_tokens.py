@@ -207,7 +207,8 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
                 or (S in tags and B not in tags)):
             raise _Skip(f"{x} enters the token region with token dimensions {tags}")
 
-    # -- the kept tokens, once, before the embedding
+    # -- the kept tokens, once, before the embedding (or before the first computation, the embeddings an input)
+    at = emb if emb.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
     _allow_dynamic_output_shapes(ctx)
     targets: List[Any] = []
     for loss in r.losses:
@@ -215,10 +216,9 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
         ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
         if tgt in region or (r.inputs.get(tgt) != (T,)):
             raise _Skip(f"{loss}: its target is not a flat [B * S] tensor from outside the region")
-        _hoist(tgt, emb, region)
+        _hoist(tgt, at, region)
         targets += [tgt, ignore]
     packed: Dict[fx.Graph, _Packed] = {}
-    at = emb if emb.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
     with g.inserting_before(at):
         vec = _call(g, packed_index, [kv, window] + targets, "fxfuse_packed")
         top = _Packed(g, _call(g, operator.getitem, [vec, 0], "fxfuse_idx"),

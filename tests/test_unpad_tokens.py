@@ -269,3 +269,25 @@ def test_saved_activations_of_a_padded_batch_are_those_of_the_packed_one():
     assert torch.allclose(loss_u, loss_p, rtol=1e-6) and torch.allclose(loss_u, loss_1, rtol=1e-5)
     assert unpadded <= 1.3 * one_row, (unpadded, one_row)
     assert plain > 2 * one_row, (plain, one_row)  # the measurement sees the padding when it is there
+
+
+def test_inputs_embeds_enter_the_packed_row():
+    """A caller passing ``inputs_embeds`` (the graph starts after the lookup): the embeddings input is gathered;
+    loss and its gradient as eager."""
+    ids, am, labels = _batch("mixed", cols=10)
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_()
+
+    def run(fn):
+        out = fn(inputs_embeds=emb, attention_mask=am, labels=labels, use_cache=False)
+        out.loss.backward()
+        g, emb.grad = emb.grad.clone(), None
+        return out.loss, g
+
+    ref, ref_grad = run(model)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    loss, grad = run(torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
+                                                                     "passes": {"unpad_tokens": True}}))
+    assert torch.allclose(loss, ref, rtol=1e-6) and (grad - ref_grad).norm() <= 1e-5 * ref_grad.norm()
+    assert _unpad_records(), str(fxfuse.report())
