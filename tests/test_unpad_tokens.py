@@ -35,23 +35,28 @@ def _batch(pad: str, rows: int = 3, cols: int = 12, seed: int = 0):
     return ids, am, ids.masked_fill(am == 0, -100)
 
 
-def _run(model, ids, am, labels, compiled, **kw):
-    opts = {"compiler": "aot_eager", "passes": {"unpad_tokens": True}, **kw}  # opt-in while its GPU run is pending
+def _run(model, ids, am, labels, compiled, call=None, leaf=None):
+    """One forward + backward, eager or compiled with unpad_tokens; ``call``: more model kwargs (``ids`` None:
+    pass ``inputs_embeds`` there); ``leaf``: a non-parameter tensor whose gradient is compared too."""
+    opts = {"compiler": "aot_eager", "passes": {"unpad_tokens": True}}  # opt-in while its GPU run is pending
     fn = torch.compile(model, backend="fxfuse", options=opts) if compiled else model
-    out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+    inputs = {} if ids is None else {"input_ids": ids}
+    out = fn(**inputs, attention_mask=am, labels=labels, use_cache=False, **(call or {}))
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if leaf is not None:
+        grads["<leaf>"], leaf.grad = leaf.grad.clone(), None
     model.zero_grad()
     return out, grads
 
 
-def _compiled_matches_eager(model, ids, am, labels, grads=True):
+def _compiled_matches_eager(model, ids, am, labels, grads=True, call=None, leaf=None):
     """Eager, then compiled with unpad_tokens (reports cleared): the loss and (with ``grads``) every gradient
     equal. Returns (eager output, compiled output)."""
-    ref, ref_grads = _run(model, ids, am, labels, False)
+    ref, ref_grads = _run(model, ids, am, labels, False, call, leaf)
     fxfuse.clear_reports()
     torch._dynamo.reset()
-    out, got = _run(model, ids, am, labels, True)
+    out, got = _run(model, ids, am, labels, True, call, leaf)
     assert torch.allclose(out.loss, ref.loss, rtol=1e-6, atol=1e-6), (out.loss, ref.loss)
     for name, g in ref_grads.items() if grads else ():
         assert (got[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
@@ -186,22 +191,7 @@ def test_peft_lora_and_num_items_in_batch(num_items):
         r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     kw = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if num_items else {}
-
-    def run(fn):
-        out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False, **kw)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        model.zero_grad()
-        return out.loss, grads
-
-    ref, ref_grads = run(model)
-    fxfuse.clear_reports()
-    torch._dynamo.reset()
-    loss, grads = run(torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
-                                                                      "passes": {"unpad_tokens": True}}))
-    assert torch.allclose(loss, ref, rtol=1e-6), (loss, ref)
-    for name, g in ref_grads.items():
-        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    _compiled_matches_eager(model, ids, am, labels, call=kw)
     rep = fxfuse.report()
     assert _unpad_records() and [r for r in rep.fused if r.pass_name.startswith("lora")], str(rep)
 
@@ -277,17 +267,5 @@ def test_inputs_embeds_enter_the_packed_row():
     ids, am, labels = _batch("mixed", cols=10)
     model = tiny_causal_lm("llama", attn_implementation="sdpa")
     emb = model.get_input_embeddings()(ids).detach().requires_grad_()
-
-    def run(fn):
-        out = fn(inputs_embeds=emb, attention_mask=am, labels=labels, use_cache=False)
-        out.loss.backward()
-        g, emb.grad = emb.grad.clone(), None
-        return out.loss, g
-
-    ref, ref_grad = run(model)
-    fxfuse.clear_reports()
-    torch._dynamo.reset()
-    loss, grad = run(torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
-                                                                     "passes": {"unpad_tokens": True}}))
-    assert torch.allclose(loss, ref, rtol=1e-6) and (grad - ref_grad).norm() <= 1e-5 * ref_grad.norm()
+    _compiled_matches_eager(model, None, am, labels, call={"inputs_embeds": emb}, leaf=emb)
     assert _unpad_records(), str(fxfuse.report())
