@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -38,14 +38,13 @@ import torch.nn.functional as F
 
 from fxfuse.attention.conventions import MASKED_ROWS_UNIFORM
 from fxfuse.attention.op import document_ranges
-from fxfuse.graph_utils import node_val
+from fxfuse.graph_utils import node_val, op_kind
 from fxfuse.registry import register_pass
 
 from ._token_dims import B, S, T, token_region
 
 NAME = "unpad_tokens"
 _ATTENTION = torch.ops.fxfuse.softcap_attention.default
-_LOSS = torch.ops.fxfuse.linear_cross_entropy.default
 
 
 # ------------------------------------------------------------------------------------------------ traced helpers
@@ -100,18 +99,16 @@ class _Skip(Exception):
 
 
 def _source(n: fx.Node) -> fx.Node:
-    """Through casts / contiguous to the tensor a mask came from."""
-    while n.op == "call_method" and n.target in ("to", "bool", "contiguous") or \
-            n.op == "call_function" and n.target in (torch.Tensor.to,):
+    """Through casts / contiguous (the normalisation layer's kinds) to the tensor a mask came from."""
+    while op_kind(n) in ("cast", "contiguous"):
         n = n.args[0]
     return n
 
 
-def _hoist(node: fx.Node, before: fx.Node, region: set) -> None:
-    """Move ``node`` and what it needs (nothing of the region) before ``before``, in graph order."""
+def _to_hoist(node: fx.Node, before: fx.Node, region: set) -> List[fx.Node]:
+    """What must move before ``before`` for ``node`` to be computed there (nothing of the region), in graph order;
+    moving them is left to the caller, once every check has passed."""
     order = {n: i for i, n in enumerate(before.graph.nodes)}
-    if order[node] < order[before]:
-        return
     need, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -121,14 +118,13 @@ def _hoist(node: fx.Node, before: fx.Node, region: set) -> None:
             raise _Skip(f"the loss target {node} is computed from the token region")
         need.add(n)
         todo.extend(n.all_input_nodes)
-    for n in sorted(need, key=order.__getitem__):
-        before.prepend(n)
+    return sorted(need, key=order.__getitem__)
 
 
 def _allow_dynamic_output_shapes(ctx) -> None:
     """``nonzero``'s size is data-dependent: the compile's ShapeEnv must allow it (Dynamo's
-    ``capture_dynamic_output_shape_ops``, here for this graph's compile only). A private setting: the test of this
-    pass pins it on each torch version."""
+    ``capture_dynamic_output_shape_ops``, here for this graph's compile only). A private setting (``ShapeEnv.settings``,
+    a frozen dataclass): tests/test_unpad_tokens.py fails on a torch version that drops it."""
     env = getattr(ctx.fake_mode, "shape_env", None)
     if env is None:
         raise _Skip("no ShapeEnv to give the kept-token count an unbacked size (a graph not from Dynamo)")
@@ -207,17 +203,22 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
                 or (S in tags and B not in tags)):
             raise _Skip(f"{x} enters the token region with token dimensions {tags}")
 
-    # -- the kept tokens, once, before the embedding (or before the first computation, the embeddings an input)
+    # -- the kept tokens, once, before the embedding (or before the first computation, the embeddings an input);
+    # every check above and here runs before the graph is touched
     at = emb if emb.op != "placeholder" else next(n for n in g.nodes if n.op != "placeholder")
-    _allow_dynamic_output_shapes(ctx)
     targets: List[Any] = []
+    hoist: List[fx.Node] = []
     for loss in r.losses:
         tgt = loss.args[2]
         ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
         if tgt in region or (r.inputs.get(tgt) != (T,)):
             raise _Skip(f"{loss}: its target is not a flat [B * S] tensor from outside the region")
-        _hoist(tgt, at, region)
+        hoist += [n for n in _to_hoist(tgt, at, region) if n not in hoist]
         targets += [tgt, ignore]
+    _allow_dynamic_output_shapes(ctx)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for n in sorted(hoist, key=order.__getitem__):
+        at.prepend(n)
     packed: Dict[fx.Graph, _Packed] = {}
     with g.inserting_before(at):
         vec = _call(g, packed_index, [kv, window] + targets, "fxfuse_packed")
