@@ -1,9 +1,12 @@
 """Variable-length and packed batches on the GPU: correctness checks, the attention op on packed masks, and whole
 training steps with a new length every step (default torch.compile, no ``dynamic=``), fxfuse beside Inductor.
 
-Sections (argv; default all): check attn e2e long
+Sections (argv; default all): check unpad attn e2e long
   check  the attention kernels on the GPU against float64: fully masked rows in every ``masked_rows`` mode, packed
          masks, and what CUDA SDPA itself gives a fully masked row with a bool mask (the "zero" mode mirrors it)
+  unpad  unpad_tokens on the GPU before timing it: a small Llama / Qwen3 (fp32 and bf16) on right-, left- and
+         mixed-padded batches, compiled with fxfuse (Inductor lowering): fused or skipped (with the reason), the
+         loss and the gradients against eager's
   attn   fwd+bwd of one attention layer over one 8192-token row packed with documents of 128..4096 tokens:
          fxfuse's op with the packed mask, SDPA with the same mask, SDPA is_causal over the whole row (the cost
          without packing), fxfuse causal; Llama-3.2-1B / Llama-3-8B / Gemma-2-2B attention shapes
@@ -165,6 +168,62 @@ def sec_sdpa_dead_rows():
             except Exception as e:
                 emit(section="check", what="SDPA bool mask, fully masked rows", backend=be, dtype=str(dt),
                      error=f"{type(e).__name__}: {str(e)[:160]}")
+
+
+# ------------------------------------------------------------------------------------------------- unpad
+def sec_unpad():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    models = {"llama": (LlamaForCausalLM, LlamaConfig(**common)),
+              "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32))}
+    cases = [("llama", torch.float32, pad) for pad in ("right", "left", "mixed")] + [
+        ("llama", torch.bfloat16, "mixed"), ("qwen3", torch.float32, "mixed"), ("qwen3", torch.bfloat16, "left")]
+    for arch, dt, pad in cases:
+        cls, cfg = models[arch]
+        try:
+            torch.manual_seed(0)
+            model = cls._from_config(cfg, attn_implementation="sdpa").to(DEV, dt)
+            g = torch.Generator().manual_seed(1)
+            B, S = 4, 300 if not SMOKE else 40
+            lens = torch.randint(S // 10, S, (B,), generator=g)
+            lens[0] = S
+            ar = torch.arange(S)
+            am = (ar[None] < lens[:, None]) if pad == "right" else (ar[None] >= S - lens[:, None])
+            if pad == "mixed":
+                am[1::2] = ar[None] < lens[1::2, None]
+            am = am.long().to(DEV)
+            ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g).to(DEV)
+            labels = ids.masked_fill(am == 0, -100)
+
+            def run(fn):
+                out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+                out.loss.backward()
+                grads = [p.grad.float().clone() for p in model.parameters()]
+                model.zero_grad(set_to_none=True)
+                return out, grads
+
+            ref, ref_g = run(model)
+            fxfuse.clear_reports()
+            torch._dynamo.reset()
+            out, got_g = run(torch.compile(model, backend="fxfuse",
+                                           options={"passes": {"unpad_tokens": True}}))
+            recs = [(kind, r) for rep in fxfuse.reports() for kind in ("fused", "skipped", "rolled_back")
+                    for r in getattr(rep, kind) if r.pass_name == "unpad_tokens"]
+            real = am.bool()
+            emit(section="unpad", arch=arch, dtype=str(dt).split(".")[-1], pad=pad,
+                 real_tokens=int(real.sum()), padded_tokens=B * S,
+                 unpad=[kind for kind, _ in recs] or ["not reported"],
+                 reason=[str(r.reason)[:300] for kind, r in recs if kind != "fused"][:2],
+                 loss_eager=round(ref.loss.item(), 5), loss_fxfuse=round(out.loss.item(), 5),
+                 logits_rel=rel(out.logits[real], ref.logits[real]),
+                 grad_rel_max=max(rel(a, b) for a, b in zip(got_g, ref_g)))
+            del model
+        except Exception as e:
+            emit(section="unpad", arch=arch, pad=pad, error=f"{type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc()
+        torch._dynamo.reset()
 
 
 # -------------------------------------------------------------------------------------------------- attn
