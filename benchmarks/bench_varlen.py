@@ -14,8 +14,8 @@ Sections (argv; default all): check unpad attn e2e long
          (median 300, sigma 1.0, clipped to [16, 4096]; the same lengths for every implementation), padded
          ([8, longest] + attention mask, pads -100) and packed (one row, position ids restarting per document,
          -100 at document starts): graphs compiled, compile seconds, real (non-pad) tokens/s over the steps that
-         compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default; fxfuse-nounpad: fxfuse without
-         unpad_tokens), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16
+         compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default; fxfuse-unpad / fxfuse-nounpad: fxfuse
+         with / without unpad_tokens), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16
   long   Llama-3-8B-shaped layers (LONG_LAYERS, default 4) with PEFT LoRA r16 on all projections and HF gradient
          checkpointing, batch 1 at 16384 then 32768 tokens (the recompile with a symbolic length): both train
 
@@ -180,7 +180,10 @@ def sec_unpad():
               "qwen3": (Qwen3ForCausalLM, Qwen3Config(**common, head_dim=32))}
     cases = [("llama", torch.float32, pad) for pad in ("right", "left", "mixed")] + [
         ("llama", torch.bfloat16, "mixed"), ("qwen3", torch.float32, "mixed"), ("qwen3", torch.bfloat16, "left")]
+    only = os.environ.get("UNPAD_DTYPES")  # e.g. "bfloat16"
     for arch, dt, pad in cases:
+        if only and str(dt).split(".")[-1] not in only.split(","):
+            continue
         cls, cfg = models[arch]
         try:
             torch.manual_seed(0)
@@ -209,6 +212,10 @@ def sec_unpad():
             torch._dynamo.reset()
             out, got_g = run(torch.compile(model, backend="fxfuse",
                                            options={"passes": {"unpad_tokens": True}}))
+            base_g = None
+            if dt != torch.float32:  # what compiling costs in accuracy without the pass, for the same batch
+                torch._dynamo.reset()
+                _, base_g = run(torch.compile(model, backend="fxfuse", options={"passes": {"unpad_tokens": False}}))
             recs = [(kind, r) for rep in fxfuse.reports() for kind in ("fused", "skipped", "rolled_back")
                     for r in getattr(rep, kind) if r.pass_name == "unpad_tokens"]
             real = am.bool()
@@ -218,7 +225,8 @@ def sec_unpad():
                  reason=[str(r.reason)[:300] for kind, r in recs if kind != "fused"][:2],
                  loss_eager=round(ref.loss.item(), 5), loss_fxfuse=round(out.loss.item(), 5),
                  logits_rel=rel(out.logits[real], ref.logits[real]),
-                 grad_rel_max=max(rel(a, b) for a, b in zip(got_g, ref_g)))
+                 grad_rel_max=max(rel(a, b) for a, b in zip(got_g, ref_g)),
+                 grad_rel_max_without_unpad=base_g and max(rel(a, b) for a, b in zip(base_g, ref_g)))
             del model
         except Exception as e:
             emit(section="unpad", arch=arch, pad=pad, error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -276,11 +284,11 @@ def _counting(backend_name):
     stats = {"graphs": 0, "compile_s": 0.0}
     if backend_name == "fxfuse":
         from fxfuse.backend import fxfuse as inner
-    elif backend_name == "fxfuse-nounpad":
+    elif backend_name in ("fxfuse-nounpad", "fxfuse-unpad"):
         from fxfuse.backend import fxfuse as full
 
-        def inner(gm, example_inputs):
-            return full(gm, example_inputs, options={"passes": {"unpad_tokens": False}})
+        def inner(gm, example_inputs, unpad=backend_name == "fxfuse-unpad"):
+            return full(gm, example_inputs, options={"passes": {"unpad_tokens": unpad}})
     else:
         from torch._inductor.compile_fx import compile_fx as inner
 
