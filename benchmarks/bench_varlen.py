@@ -356,14 +356,43 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
             times.append(dt)
             toks += real
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else float("nan")
+    if os.environ.get("E2E_PROFILE") and DEV == "cuda":
+        _profile_steps(fwd, opt, batch, f"{impl}-{layout}")
     fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}) if impl.startswith("fxfuse") else []
     del model, opt, fwd
     torch._dynamo.reset()
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return dict(graphs=stats["graphs"], compile_s=round(stats["compile_s"], 1), steps_timed=len(times),
-                real_tokens_per_s=round(toks / sum(times)) if times else None, peak_gib=round(peak, 2),
+                real_tokens_per_s=round(toks / sum(times)) if times else None,
+                step_ms=[round(t * 1e3, 1) for t in times], peak_gib=round(peak, 2),
                 loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), fused_passes=fused)
+
+
+def _profile_steps(fwd, opt, batch, name, n=2):
+    """Two more steps on the last batch (compiled already) under torch.profiler: the top CUDA kernels and the host
+    time per step, to $OUT/profile-<name>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        out = fwd(**batch, use_cache=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / n
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"profile-{name}.txt"), "w") as f:
+        f.write(f"wall per step (profiled) {wall * 1e3:.1f} ms\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+        f.write("\n\nby CPU time\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=90))
 
 
 def sec_e2e():
