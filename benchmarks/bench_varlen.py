@@ -340,9 +340,11 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
     times, toks, losses = [], 0, []
     if DEV == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for real, batch in _batches(layout, steps, docs, vocab, seed):
+    jit = _jit_compiles()
+    for step_i, (real, batch) in enumerate(_batches(layout, steps, docs, vocab, seed)):
         batch = {k: v.to(DEV) for k, v in batch.items()}
         g0 = stats["graphs"]
+        jit["step"] = step_i
         if DEV == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -355,7 +357,10 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
         if stats["graphs"] == g0:
             times.append(dt)
             toks += real
+            jit["timed"].add(step_i)
     peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else float("nan")
+    jit["off"]()
+    jit_timed = [f"{st}:{name}" for st, name in jit["log"] if st in jit["timed"]]
     if os.environ.get("E2E_PROFILE") and DEV == "cuda":
         _profile_steps(fwd, opt, batch, f"{impl}-{layout}")
     fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}) if impl.startswith("fxfuse") else []
@@ -365,8 +370,34 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
         torch.cuda.empty_cache()
     return dict(graphs=stats["graphs"], compile_s=round(stats["compile_s"], 1), steps_timed=len(times),
                 real_tokens_per_s=round(toks / sum(times)) if times else None,
-                step_ms=[round(t * 1e3, 1) for t in times], peak_gib=round(peak, 2),
+                step_ms=[round(t * 1e3, 1) for t in times], triton_jit_in_timed_steps=jit_timed[:20], peak_gib=round(peak, 2),
                 loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), fused_passes=fused)
+
+
+def _jit_compiles():
+    """Triton JIT compiles (a kernel's first launch with a new specialisation: the divisibility of an integer
+    argument or a pointer's alignment) by step, through ``triton.knobs.runtime.jit_cache_hook``: a step that
+    compiled no graph may still compile kernels."""
+    rec = {"step": -1, "log": [], "timed": set(), "off": lambda: None}
+    try:
+        import triton
+
+        knobs = triton.knobs.runtime
+    except Exception:
+        return rec
+    prev = knobs.jit_cache_hook
+
+    def hook(*args, **kwargs):
+        rec["log"].append((rec["step"], str(kwargs.get("repr", "?")).split("[")[0]))
+        return prev(*args, **kwargs) if prev else None
+
+    knobs.jit_cache_hook = hook
+
+    def off():
+        knobs.jit_cache_hook = prev
+
+    rec["off"] = off
+    return rec
 
 
 def _profile_steps(fwd, opt, batch, name, n=2):
