@@ -95,7 +95,9 @@ if HAVE_TRITON:
             x = softcap * th
         return mul_rn(x, inv_temp, RN), th
 
-    @triton.jit
+    # per-row pointers: no alignment specialisation (see linear_cross_entropy._lce_rows_kernel)
+    @triton.jit(do_not_specialize_on_alignment=["index_ptr", "logp_ptr", "ent_ptr", "mx_ptr", "ls_ptr", "ez_ptr",
+                                                "glogp_ptr", "gent_ptr", "top1_ptr", "mean_ptr", "lsq_ptr"])
     def _logp_rows_kernel(
         logits_ptr, stride_row,          # [C, V] chunk; overwritten with d loss / d logits when BACKWARD
         index_ptr,                       # [C] int64

@@ -158,7 +158,9 @@ if HAVE_TRITON:
             bits = tl.reshape((word >> ((j % 2) * 16)) & 0xFFFF, (BM, BK))
         return bits >= thresh
 
-    @triton.jit
+    # N (tokens) changes every step with variable lengths: no specialisation on its divisibility (a JIT compile
+    # per new residue class mid-training); the kernels mask by N anyway
+    @triton.jit(do_not_specialize=["N"])
     def _keep_mask_kernel(out_ptr, seed_ptr, N, DIN, thresh, BM: tl.constexpr, BK: tl.constexpr,
                           ROUNDS: tl.constexpr, EXPAND: tl.constexpr, INT64_IDX: tl.constexpr):
         row0 = tl.program_id(0) * BM
@@ -195,7 +197,7 @@ if HAVE_TRITON:
         tl.store(v_ptr + rows[:, None] * stride_v + rr[None, :], acc.to(v_ptr.dtype.element_ty),
                  mask=(rows < N)[:, None] & (rr < R)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _lora_down_kernel(
         x_ptr, stride_x,          # [N, DIN]
         a_ptr, stride_a,          # [NA * r, DIN]: the run's rows of A
@@ -278,7 +280,7 @@ if HAVE_TRITON:
         tl.atomic_add(ga_ptr + rr[None, :] * stride_ga + cols[:, None], acc_at,
                       mask=(rr < R)[None, :] & (cols < DIN)[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _lora_up_dropout_bwd_kernel(
         gv_ptr, stride_gv,        # [N, NA * r] grad of the run's (scaled) V
         a_ptr, stride_a,          # [NA * r, DIN]
