@@ -15,16 +15,18 @@ padding ``attention_mask[b, kv]``: the attention passes ran first) and the loss 
 3. gathers what enters the region into the packed layout (the token ids before the embedding, RoPE's cos / sin by
    position ``idx % S``, the shifted labels), and writes every size Dynamo baked into the region with ``B -> 1``,
    ``S -> N``, ``B * S -> N``;
-4. re-targets every attention site from key padding to packed documents (each row one document, ``doc_ranges``
-   from ``idx // S``) with the kept tokens' key flags; positions in a row stay the column index (RoPE as eager);
+4. re-targets every attention site from key padding to packed documents: each row's kept tokens one document,
+   but a kept padding token that sees no key (left padding's last pad) goes after all rows as its own empty
+   document, so the rows hold padding only where eager's rows hold it between real tokens; the kept tokens' key
+   flags mask that. Positions stay the column index (RoPE as eager);
 5. scatters what the graph returns per token (the hidden states behind the lazy logits) back to ``[B, S, ...]``
    with zeros at the positions it dropped: pad positions of the logits read 0.
 
 Values at kept positions equal eager's (the packed row's attention is each row's attention), and so do the loss
 and every gradient. Not unpadded (the report says why): attention sites whose fully masked rows average every key
 of the padded row (HF eager attention's ``finfo.min`` masks: Llama eager, Gemma-2), where a kept padding query
-(left padding) cannot get eager's value from the packed row; attention inside checkpoint bodies; a graph whose
-token-wise part holds an op the analysis does not know.
+(left padding) cannot get eager's value from the packed row; a graph whose token-wise part holds an op the
+analysis does not know; per-token outputs whose loss is computed in another graph.
 """
 from __future__ import annotations
 
@@ -51,24 +53,43 @@ _ATTENTION = torch.ops.fxfuse.softcap_attention.default
 # Small functions the rewritten graph calls: AOTAutograd traces through them, so they are plain torch code.
 def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(idx [N] int64, doc_ranges [2, 1, N] int32, key_valid [1, N] bool) of the kept tokens of ``key_valid``
-    [B, S]: those it marks, and those whose shifted label (``targets_and_ignore`` = target [B*S], ignore_index,
-    ...) is used; with ``fill_holes`` also every position between a row's first and last kept token (a sliding
-    window counts columns: kept tokens must be consecutive columns for the packed row to count the same).
-    ``nonzero`` is the step's one host synchronisation."""
-    kv = key_valid.to(torch.bool)
-    keep = kv.reshape(-1)
+    """(idx [N] int64, doc_ranges [2, 1, N] int32, key_valid [1, N] bool): the kept tokens of ``key_valid`` [B, S]
+    as one packed row. Kept: the tokens it marks, and padding whose shifted label (``targets_and_ignore`` = target
+    [B*S], ignore_index, ...) is used. ``nonzero`` is the step's one host synchronisation.
+
+    Each row's kept tokens form one document, in column order, with one exception: a kept padding token with no
+    real token before it in its row (a left-padded row's last pad, whose label is the row's first token) sees no
+    key at all. It goes after every row, as its own empty document (its start past its index: a dead query), so
+    the rows' spans hold no padding and the attention kernels read no key flags (they cost ~20% of a layer's
+    attention; benchmarks/unpad_notes.md). What a dead query computes is its own token's alone: its place in the
+    row is free. Kept padding after a real token of its row sees that row's keys before it: it stays in place, a
+    hole that the key flags mask (rare: labels not masked at padding, or holes inside a row).
+
+    With ``fill_holes`` (a sliding window counts columns: kept tokens must be consecutive columns) every position
+    between a row's first and last kept token is kept too, and every kept token stays in place."""
+    real = key_valid.to(torch.bool)
+    rows, cols = key_valid.shape
+    keep = real.reshape(-1)
     for i in range(0, len(targets_and_ignore), 2):
         keep = keep | (targets_and_ignore[i].reshape(-1) != targets_and_ignore[i + 1])
+    seen = real.to(torch.int32).cummax(1).values.bool().reshape(-1)  # a real token at or before this column
     if fill_holes:
         k = keep.view(key_valid.shape).to(torch.int32)
         before = k.cummax(1).values.bool()
         after = k.flip(1).cummax(1).values.flip(1).bool()
         keep = (before & after).reshape(-1)
+        dead = torch.zeros_like(keep)
+    else:
+        dead = keep & ~seen
     idx = torch.nonzero(keep).reshape(-1)
-    cols = key_valid.shape[1]
-    docs = document_ranges(torch.div(idx, cols, rounding_mode="floor").unsqueeze(0))
-    return idx, docs, kv.reshape(-1).index_select(0, idx).unsqueeze(0)
+    dead = dead.index_select(0, idx)
+    order = torch.argsort(dead.to(torch.int8), stable=True)  # rows first, in order; dead queries after them
+    idx, dead = idx.index_select(0, order), dead.index_select(0, order)
+    pos = torch.arange(idx.shape[0], device=idx.device)
+    segment = torch.where(dead, rows + pos, torch.div(idx, cols, rounding_mode="floor"))  # non-decreasing
+    docs = document_ranges(segment.unsqueeze(0))
+    start = torch.where(dead.unsqueeze(0), (pos + 1).to(docs.dtype).unsqueeze(0), docs[0])
+    return idx, torch.stack([start, docs[1]]), real.reshape(-1).index_select(0, idx).unsqueeze(0)
 
 
 def gather_rows_positions(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
@@ -239,13 +260,13 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
         todo.remove((call, body))
         src = packed[call.graph]
         phs = [p for p in body.graph.nodes if p.op == "placeholder"]
-        new, last = [], phs[-1]
-        for k in ("idx", "doc_ranges", "key_valid", "mask"):  # in operand order
+        new, last = {}, phs[-1]
+        for k, v in src.vectors().items():  # in operand order
             with body.graph.inserting_after(last):
                 last = body.graph.placeholder(f"fxfuse_unpad_{k}")
-            new.append(last)
-        call.args = tuple(call.args) + (src.idx, src.docs, src.kv_packed, src.kv)
-        packed[body.graph] = _Packed(body.graph, *new)
+            new[k] = last
+        call.args = tuple(call.args) + tuple(src.vectors().values())
+        packed[body.graph] = _Packed(body.graph, new["idx"], new["doc_ranges"], new["key_valid"], new["mask"])
 
     # -- what enters the region, gathered where it enters (in the graph of its first region user)
     for x, tags in gathers:
@@ -318,10 +339,15 @@ class _Packed:
 
     def __init__(self, graph: fx.Graph, idx: fx.Node, docs: fx.Node, kv_packed: fx.Node, kv: fx.Node):
         self.idx, self.docs, self.kv_packed, self.kv = idx, docs, kv_packed, kv
-        with graph.inserting_after(max((idx, docs, kv_packed, kv), key=lambda n: list(graph.nodes).index(n))):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        with graph.inserting_after(max(self.vectors().values(), key=order.__getitem__)):
             self.cols = graph.call_method("size", (kv, 1))
             self.rows = graph.call_method("size", (kv, 0))
             self.n_tok = graph.call_method("size", (idx, 0))
+
+    def vectors(self) -> Dict[str, fx.Node]:
+        """What a checkpoint body is passed, by name, in operand order."""
+        return {"idx": self.idx, "doc_ranges": self.docs, "key_valid": self.kv_packed, "mask": self.kv}
 
 
 @register_pass(name=NAME, enabled_by_default=False,

@@ -32,6 +32,12 @@ def _batch(pad: str, rows: int = 3, cols: int = 12, seed: int = 0):
     if pad == "empty_row":  # a row of padding only, beside a left-padded one
         am[0] = 0
         am[1, :5] = 0
+    if pad in ("hole", "labels_at_pads"):  # padding inside a row; with labels kept at padding positions too
+        am[0, 4:6] = 0
+        am[1, :3] = 0
+        am[2, -4:] = 0
+    if pad == "labels_at_pads":  # every padding position whose next label is used is kept, some after real tokens
+        return ids, am, ids.clone()
     return ids, am, ids.masked_fill(am == 0, -100)
 
 
@@ -74,7 +80,7 @@ def _unpad_records(kind="fused"):
     ("llama", "eager", True),    # finfo.min masks: a fully masked row averages every key of the padded row
     ("gemma2", "eager", True),   # + softcap, sliding window
 ])
-@pytest.mark.parametrize("pad", ["right", "left", "mixed", "one_token", "empty_row"])
+@pytest.mark.parametrize("pad", ["right", "left", "mixed", "one_token", "empty_row", "hole", "labels_at_pads"])
 def test_padded_batch_equals_eager(arch, attn, uniform, pad):
     ids, am, labels = _batch(pad)
     model = tiny_causal_lm(arch, attn_implementation=attn)
