@@ -121,6 +121,14 @@ def test_key_span_is_each_rows_first_and_last_valid_key_and_holes():
     assert launching.key_span(valid) is launching.key_span(valid)  # one computation per step's key_valid
     valid[1, 2] = True  # modified in place: computed again
     assert launching.key_span(valid).tolist()[1] == [2, 3, 0, 0]
+    # a fresh view of the same buffer (what Inductor's code passes each call): the cached span
+    view = valid.as_strided(valid.shape, valid.stride())
+    assert launching.key_span(view) is launching.key_span(valid)
+    view[0, 0] = True  # written through the view: the shared version counter misses
+    assert launching.key_span(valid).tolist()[0] == [0, 5, 1, 0]
+    assert launching.key_span(valid[1:]).tolist() == [[2, 3, 0, 0], [0, 6, 0, 0]]  # another layout: its own span
+    same_values = valid.clone()  # another buffer: computed for itself
+    assert launching.key_span(same_values) is not launching.key_span(valid)
 
 
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch):
