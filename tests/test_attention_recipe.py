@@ -307,3 +307,31 @@ def test_checkpointed_layers_get_the_recipe_vectors_not_the_mask(captured_graphs
     bodies = [m for name, m in dynamo_graph.named_modules() if name.startswith("wrap_body")]
     assert bodies and all(any(n.name.startswith("fxfuse_") for n in b.graph.nodes if n.op == "placeholder")
                           for b in bodies)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_document_starting_past_its_token_is_a_dead_query(monkeypatch, impl):
+    """unpad_tokens' encoding of kept padding that sees no key: each such token its own document whose start lies
+    past its index. It attends to nothing (zeros, as SDPA's fully masked row) and no query attends to it: the
+    values and every gradient equal those of the same row with those tokens masked as keys (key_valid)."""
+    if impl == "triton" and (not HAVE_TRITON or not interpreting()):
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    S, pads = 40, [0, 13, 14, 31]  # a dead token first, two in a row, one late
+    seg = torch.zeros(S, dtype=torch.long)
+    for p in pads:  # each pad its own segment, the tokens after it a new one
+        seg[p] += 1
+        if p + 1 < S:
+            seg[p + 1] += 1
+    seg = seg.cumsum(0)[None]
+    valid = torch.ones(1, S, dtype=torch.bool)
+    valid[0, pads] = False
+    dead = document_ranges(seg)
+    dead[0, 0, pads] = torch.tensor(pads, dtype=torch.int32) + 1
+    q, k, v, do, *_ = _case(1, 4, 2, S, 16, [[]], seed=3)
+    monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", impl)
+    got = _grads(softcap_attention(q, k, v, causal=True, doc_ranges=dead), q, k, v, do)
+    want = _grads(softcap_attention(q, k, v, causal=True, doc_ranges=document_ranges(seg), key_valid=valid),
+                  q, k, v, do)
+    assert (got[0][0, :, pads] == 0).all()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

@@ -24,7 +24,9 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
     doc_ranges Tensor or None          int32/int64 [2, B|1, S]: [start, end) of each token's document (packed
                                        rows): a key is kept only inside its query's document. Documents must be
                                        contiguous runs; needs causal=True and S == Skv. Build it from per-token
-                                       document ids with :func:`document_ranges` once per step (all layers share it)
+                                       document ids with :func:`document_ranges` once per step (all layers share it).
+                                       A token whose start lies past its own index attends to nothing (a dead
+                                       query, in its own one-token document: unpad_tokens' kept padding)
     key_valid Tensor or None           bool [B|1, Skv]: False = padding key, never attended
     ->  out  [B, Hq, S, Dh] contiguous, q.dtype;   lse [B, Hq, S] fp32 (for the backward; +inf on dead rows)
 
