@@ -15,7 +15,8 @@ Sections (argv; default all): check unpad attn e2e long
          ([8, longest] + attention mask, pads -100) and packed (one row, position ids restarting per document,
          -100 at document starts): graphs compiled, compile seconds, real (non-pad) tokens/s over the steps that
          compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default; fxfuse-unpad / fxfuse-nounpad: fxfuse
-         with / without unpad_tokens), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16
+         with / without unpad_tokens), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16,
+         E2E_FROM=0 (timed steps start there at the earliest: the same steps for every impl)
   long   Llama-3-8B-shaped layers (LONG_LAYERS, default 4) with PEFT LoRA r16 on all projections and HF gradient
          checkpointing, batch 1 at 16384 then 32768 tokens (the recompile with a symbolic length): both train
 
@@ -354,7 +355,7 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())  # syncs
         dt = time.perf_counter() - t0
-        if stats["graphs"] == g0:
+        if stats["graphs"] == g0 and step_i >= int(os.environ.get("E2E_FROM", 0)):
             times.append(dt)
             toks += real
             jit["timed"].add(step_i)
