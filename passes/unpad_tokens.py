@@ -162,6 +162,9 @@ def _call(g: fx.Graph, fn, args, name=None) -> fx.Node:
 
 def _unpad(gm: fx.GraphModule, ctx) -> int:
     g = gm.graph
+    if ctx.options.inductor.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs):
+        raise _Skip("CUDA graphs (mode='reduce-overhead') cannot capture the kept-token count's host "
+                    "synchronisation (nonzero)")
     if ctx.verify is not None:
         raise _Skip("options['verify'] compares every output position with the padded graph's, and the padding "
                     "positions of the returned logits / hidden states change by design (0 where dropped)")
@@ -350,7 +353,7 @@ class _Packed:
         return {"idx": self.idx, "doc_ranges": self.docs, "key_valid": self.kv_packed, "mask": self.kv}
 
 
-@register_pass(name=NAME, enabled_by_default=False,
+@register_pass(name=NAME,
                description="padded batch (attention masks read as key padding) -> the token-wise graph on the real "
                            "tokens only, as one packed row of documents; outputs scattered back")
 def unpad_tokens_pass(gm: fx.GraphModule, ctx) -> int:

@@ -44,7 +44,7 @@ def _batch(pad: str, rows: int = 3, cols: int = 12, seed: int = 0):
 def _run(model, ids, am, labels, compiled, call=None, leaf=None):
     """One forward + backward, eager or compiled with unpad_tokens; ``call``: more model kwargs (``ids`` None:
     pass ``inputs_embeds`` there); ``leaf``: a non-parameter tensor whose gradient is compared too."""
-    opts = {"compiler": "aot_eager", "passes": {"unpad_tokens": True}}  # opt-in while its GPU run is pending
+    opts = {"compiler": "aot_eager"}  # unpad_tokens is on by default
     fn = torch.compile(model, backend="fxfuse", options=opts) if compiled else model
     inputs = {} if ids is None else {"input_ids": ids}
     out = fn(**inputs, attention_mask=am, labels=labels, use_cache=False, **(call or {}))
@@ -131,17 +131,22 @@ def test_no_recompile_as_the_real_token_count_changes():
     assert counts[True] == counts[False] == 2, counts
 
 
-@pytest.mark.parametrize("passes", [{"unpad_tokens": False}, None])  # turned off; the default (off for now)
-def test_option_turns_it_off(passes):
+@pytest.mark.parametrize("options,why", [
+    ({"passes": {"unpad_tokens": False}}, None),  # the option turns it off: not run, nothing reported
+    ({"triton.cudagraphs": True}, "CUDA graphs"),  # mode="reduce-overhead": skipped, with the reason
+])
+def test_option_turns_it_off(options, why):
     ids, am, labels = _batch("right")
     model = tiny_causal_lm("llama", attn_implementation="sdpa")
     fxfuse.clear_reports()
     torch._dynamo.reset()
-    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
-                                                         **({"passes": passes} if passes else {})})
-    fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
-    assert not _unpad_records() and not _unpad_records("skipped")
+    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", **options})
+    out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+    assert not _unpad_records()
+    skipped = _unpad_records("skipped")
+    assert (why in skipped[0].reason) if why else not skipped
     assert fxfuse.report().fused  # the other passes ran
+    assert torch.allclose(out.loss, model(input_ids=ids, attention_mask=am, labels=labels, use_cache=False).loss)
 
 
 def test_gradient_checkpointing():
