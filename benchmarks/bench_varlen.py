@@ -371,7 +371,8 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
         torch.cuda.empty_cache()
     return dict(graphs=stats["graphs"], compile_s=round(stats["compile_s"], 1), steps_timed=len(times),
                 real_tokens_per_s=round(toks / sum(times)) if times else None,
-                step_ms=[round(t * 1e3, 1) for t in times], triton_jit_in_timed_steps=jit_timed[:20], peak_gib=round(peak, 2),
+                step_ms=[round(t * 1e3, 1) for t in times], timed_steps=sorted(jit["timed"]),
+                triton_jit_in_timed_steps=jit_timed[:20], peak_gib=round(peak, 2),
                 loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4), fused_passes=fused)
 
 
@@ -513,7 +514,7 @@ def sec_long():
 if __name__ == "__main__":
     emit(section="env", gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu", torch=torch.__version__,
          triton=__import__("triton").__version__, transformers=__import__("transformers").__version__,
-         commit=os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or os.environ.get("COMMIT", "?"))
+         commit=os.environ.get("COMMIT") or os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip() or "?")
     for sec in sys.argv[1:] or ["check", "attn", "e2e", "long"]:
         try:
             globals()["sec_" + sec]()

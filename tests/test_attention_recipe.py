@@ -129,6 +129,13 @@ def test_key_span_is_each_rows_first_and_last_valid_key_and_holes():
     assert launching.key_span(valid[1:]).tolist() == [[2, 3, 0, 0], [0, 6, 0, 0]]  # another layout: its own span
     same_values = valid.clone()  # another buffer: computed for itself
     assert launching.key_span(same_values) is not launching.key_span(valid)
+    # Inductor's aliases (reinterpret_tensor: no _base, their own version counter): the cached span
+    from torch._C._dynamo.guards import _reinterpret_tensor
+    alias = _reinterpret_tensor(valid, tuple(valid.shape), tuple(valid.stride()), 0)
+    assert alias._base is None and launching.key_span(alias) is launching.key_span(valid)
+    valid[2, 0] = False  # written through the cached tensor: its version counter
+    assert launching.key_span(_reinterpret_tensor(valid, tuple(valid.shape), tuple(valid.stride()), 0)
+                              ).tolist()[2] == [1, 6, 0, 0]
 
 
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch):

@@ -157,7 +157,7 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
             extra)
 
 
-_SPAN_CACHE = {}  # "last": (weakref to the key_valid tensor's base, its layout, its version, its span)
+_SPAN_CACHE = {}  # "last": (the key_valid tensor, its storage address, layout, version, its span)
 
 
 def key_span(valid):
@@ -165,18 +165,24 @@ def key_span(valid):
     (Skv, 0, 0, 0) for a row of False. The kernels skip the key blocks outside [first, end) and read the flags
     only in the tiles at its edges, or everywhere in a row with holes.
 
-    Every layer's forward and backward of a step get the same key_valid tensor (the recipe builds it once per
-    step), so the last span is kept while that tensor is alive and unmodified: a dozen small kernels and ~0.6 ms of
-    host time once per step instead of once per call. Inductor's generated code hands each call a fresh view of
-    one buffer (``reinterpret_tensor``), so the tensor is recognised by its base (held weakly: a freed buffer's
-    memory reused by a new one is a miss), its view layout and the version counter its views share."""
-    base = valid._base if valid._base is not None else valid
-    layout = (valid.shape, valid.stride(), valid.storage_offset(), valid.dtype)
+    Every layer's forward and backward of a step get the same key flags (the recipe builds them once per step), so
+    the last span is kept while they are unmodified: a dozen small kernels and ~0.5 ms of host time once per step
+    instead of once per call. Inductor's generated code hands each call a fresh alias of one buffer
+    (``reinterpret_tensor``: no ``_base``, a version counter of its own), so the flags are recognised by their
+    storage's address and their layout; the cache holds the last tensor, so that storage cannot be freed and its
+    address given to other flags while cached. An in-place change through the cached tensor or a view of it (the
+    version counter) recomputes; a write through an unrelated alias is not seen (Inductor never writes into a
+    buffer while a later op still reads it)."""
+    ptr = valid.untyped_storage().data_ptr()
+    layout = (valid.shape, valid.stride(), valid.storage_offset(), valid.dtype, valid.device)
     last = _SPAN_CACHE.get("last")
-    if last is not None and last[0]() is base and last[1] == layout and last[2] == valid._version:
-        return last[3]
+    if last is not None:
+        held, held_ptr, held_layout, held_version, span = last
+        if held_ptr == ptr and held_layout == layout and held._version == held_version and \
+                (valid is not held or valid._version == held_version):
+            return span
     span = _key_span(valid)
-    _SPAN_CACHE["last"] = (weakref.ref(base), layout, valid._version, span)
+    _SPAN_CACHE["last"] = (valid, ptr, layout, valid._version, span)
     return span
 
 
