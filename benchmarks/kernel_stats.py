@@ -7,7 +7,7 @@ JIT would for those arguments, compiled for the target, and not run. Use the Tri
 numbers that carry over (``pip install --target /tmp/triton36 --no-deps triton==3.6.0``, then
 ``PYTHONPATH=/tmp/triton36``).
 
-Run: PYTHONPATH=/tmp/triton36 python benchmarks/kernel_stats.py [--dims 128,64] [--layouts causal,docs8]
+Run: PYTHONPATH=/tmp/triton36 python benchmarks/kernel_stats.py [--dims 128,64] [--layouts causal,docs8,docs8+kv]
      [--configs '{"dkdv": [[64,128,8,3]]}']
 """
 from __future__ import annotations
@@ -80,17 +80,19 @@ def main():
         k = torch.empty(1, 8, S, D, dtype=torch.bfloat16)
         lse = torch.empty(1, 32, S)
         for layout in args.layouts.split(","):
-            dr = document_ranges(torch.arange(S)[None] // (S // 8)) if layout == "docs8" else None
+            dr = document_ranges(torch.arange(S)[None] // (S // 8)) if layout.startswith("docs8") else None
+            kv = torch.ones(1, S, dtype=torch.bool) if layout.endswith("+kv") else None  # key padding flags
             base = DEFAULT_CONFIGS[(max(64, triton.next_power_of_2(D)), 2)]
             for kern in ("fwd", "dkdv", "dq"):
                 for c in [base[kern]] + extra.get(kern, []):
                     cfg = dict(base, **{kern: c})
                     STATS.clear()
                     if kern == "fwd":
-                        attention_fwd_triton(q, k, k, None, D ** -0.5, 0.0, True, 0, config=cfg, doc_ranges=dr)
+                        attention_fwd_triton(q, k, k, None, D ** -0.5, 0.0, True, 0, config=cfg, doc_ranges=dr,
+                                             key_valid=kv)
                     else:
                         attention_bwd_triton(q, q, k, k, None, q, lse, D ** -0.5, 0.0, True, 0, config=cfg,
-                                             doc_ranges=dr)
+                                             doc_ranges=dr, key_valid=kv)
                     for r in STATS:
                         if r["kernel"].endswith(kern):
                             print(json.dumps(dict(D=D, layout=layout, config=list(c), **r)), flush=True)

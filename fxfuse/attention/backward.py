@@ -199,26 +199,11 @@ if HAVE_TRITON:
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
                                      USE_DESC, BLOCK_D)
-            # the interior loop reads key flags only for a block that may hold padding, chosen outside the loop
-            if HAS_KVV:
-                if kv_check != 0:
-                    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h,
-                                             DELTA_h, offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom,
-                                             stride_mm, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_check,
-                                             BLOCK_M, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False,
-                                             DOT_FP32, DO_DK, DO_DV, HAS_DOCS, True, USE_DESC, BLOCK_D)
-                else:
-                    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h,
-                                             DELTA_h, offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom,
-                                             stride_mm, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, 0,
-                                             BLOCK_M, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False,
-                                             DOT_FP32, DO_DK, DO_DV, HAS_DOCS, False, USE_DESC, BLOCK_D)
-            else:
-                dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
-                                         offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV,
-                                         OFF, window, sc_mul, out_mul, DST, KVV, 0, BLOCK_M, D_MASK, SOFTCAP,
-                                         MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS,
-                                         False, USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
+                                     offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
+                                     window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
+                                     IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
+                                     USE_DESC, BLOCK_D)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
@@ -316,23 +301,10 @@ if HAVE_TRITON:
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                            HAS_KVV)
-        # key flags in the interior loop only for a span with holes (as the forward)
-        if HAS_KVV:
-            if kv_holes != 0:
-                dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32,
-                                   HAS_DOCS, True)
-            else:
-                dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                                   0, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32,
-                                   HAS_DOCS, False)
-        else:
-            dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                               stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                               0, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32,
-                               HAS_DOCS, False)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                           HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,

@@ -122,24 +122,10 @@ if HAVE_TRITON:
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                                    HAS_KVV)
-        # interior tiles: the key flags only where the row's span has holes, chosen here, outside the loop (a
-        # flag load under a runtime branch inside it cost ~30% of the loop on the H200, holes or not)
-        if HAS_KVV:
-            if kv_holes != 0:
-                acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST,
-                                           KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW,
-                                           False, DOT_FP32, HAS_DOCS, True)
-            else:
-                acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST,
-                                           KVV, 0, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW,
-                                           False, DOT_FP32, HAS_DOCS, False)
-        else:
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                       stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST,
-                                       KVV, 0, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW,
-                                       False, DOT_FP32, HAS_DOCS, False)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
