@@ -1,12 +1,14 @@
 """Variable-length and packed batches on the GPU: correctness checks, the attention op on packed masks, and whole
 training steps with a new length every step (default torch.compile, no ``dynamic=``), fxfuse beside Inductor.
 
-Sections (argv; default all): check unpad attn e2e long
+Sections (argv; default all): check unpad attn e2e long (and trainer, on request)
   check  the attention kernels on the GPU against float64: fully masked rows in every ``masked_rows`` mode, packed
          masks, and what CUDA SDPA itself gives a fully masked row with a bool mask (the "zero" mode mirrors it)
   unpad  unpad_tokens on the GPU before timing it: a small Llama / Qwen3 (fp32 and bf16) on right-, left- and
          mixed-padded batches, compiled with fxfuse (Inductor lowering): fused or skipped (with the reason), the
          loss and the gradients against eager's
+  trainer HF Trainer + DataCollatorForLanguageModeling(mlm=False) (padded batches) on the e2e data, the model
+         compiled in place: TRAINER_IMPLS=fxfuse,fxfuse-nounpad (inductor, eager), TRAINER_STEPS=16
   attn   fwd+bwd of one attention layer over one 8192-token row packed with documents of 128..4096 tokens:
          fxfuse's op with the packed mask, SDPA with the same mask, SDPA is_causal over the whole row (the cost
          without packing), fxfuse causal; Llama-3.2-1B / Llama-3-8B / Gemma-2-2B attention shapes
@@ -169,6 +171,92 @@ def sec_sdpa_dead_rows():
             except Exception as e:
                 emit(section="check", what="SDPA bool mask, fully masked rows", backend=be, dtype=str(dt),
                      error=f"{type(e).__name__}: {str(e)[:160]}")
+
+
+# ------------------------------------------------------------------------------------------------- trainer
+def sec_trainer():
+    """HF Trainer end to end with its padding collator for causal LMs (DataCollatorForLanguageModeling, mlm=False:
+    pads every batch to its longest row, labels -100 at padding), the model compiled in place as the README says;
+    real tokens/s over the steps after TRAINER_FROM (default 4) that compiled nothing, peak memory, losses."""
+    import transformers as tf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from _trainer_utils import make_tokenizer
+
+    if SMOKE:
+        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=500, max_position_embeddings=8192)
+        steps, docs = 4, 3
+    else:
+        cfg = tf.LlamaConfig(hidden_size=2048, intermediate_size=8192,
+                             num_hidden_layers=int(os.environ.get("E2E_LAYERS", 8)), num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=32768,
+                             tie_word_embeddings=True)
+        steps, docs = int(os.environ.get("TRAINER_STEPS", 16)), 8
+    tok = make_tokenizer(cfg.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(4, cfg.vocab_size, (n,), generator=g).tolist()}
+            for s in range(steps) for n in doc_lengths(docs, s)]
+    for impl in os.environ.get("TRAINER_IMPLS", "fxfuse,fxfuse-nounpad").split(","):
+        try:
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").to(DEV)
+            real, padded, times = [], [], []
+
+            class Timer(tf.TrainerCallback):
+                def on_step_begin(self, *a, **k):
+                    if DEV == "cuda":
+                        torch.cuda.synchronize()
+                    self.t0 = time.perf_counter()
+
+                def on_step_end(self, *a, **k):
+                    if DEV == "cuda":
+                        torch.cuda.synchronize()
+                    times.append((time.perf_counter() - self.t0, stats["graphs"]))
+
+            pad = tf.DataCollatorForLanguageModeling(tok, mlm=False)
+
+            def collate(features):  # the real tokens of each batch, counted on the host before it moves
+                batch = pad(features)
+                real.append(int(batch["attention_mask"].sum()))
+                padded.append(batch["attention_mask"].numel())
+                return batch
+
+            args = tf.TrainingArguments(output_dir="/tmp/trainer-bench", per_device_train_batch_size=docs,
+                                        max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
+                                        save_strategy="no", bf16=DEV == "cuda", use_cpu=DEV != "cuda", seed=0,
+                                        data_seed=0, dataloader_num_workers=0, optim="adamw_torch_fused"
+                                        if DEV == "cuda" else "adamw_torch")
+            trainer = tf.Trainer(model=model, args=args, train_dataset=data,
+                                 data_collator=collate)
+            backend, stats = _counting(impl)
+            if impl != "eager":
+                trainer.model.compile(backend=backend)
+            fxfuse.clear_reports()
+            if DEV == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            trainer.train()
+            real_tok = real
+            first = int(os.environ.get("TRAINER_FROM", 4))
+            timed = [i for i in range(len(times)) if i >= first and times[i][1] == (times[i - 1][1] if i else 0)]
+            toks = sum(real_tok[i] for i in timed)
+            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            peak = torch.cuda.max_memory_allocated() / 2**30 if DEV == "cuda" else float("nan")
+            emit(section="trainer", collator="DataCollatorForLanguageModeling(mlm=False)", impl=impl,
+                 layers=cfg.num_hidden_layers, steps=steps, graphs=stats["graphs"], timed_steps=timed,
+                 real_tokens_per_s=round(toks / sum(times[i][0] for i in timed)) if timed else None,
+                 padded_fraction=round(1 - sum(real_tok) / sum(padded), 3),
+                 peak_gib=round(peak, 2), loss_first=losses[0] if losses else None,
+                 loss_last=losses[-1] if losses else None,
+                 fused_passes=sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}))
+            del trainer, model
+            torch._dynamo.reset()
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        except Exception as e:
+            emit(section="trainer", impl=impl, error=f"{type(e).__name__}: {str(e)[:400]}")
+            traceback.print_exc()
+
 
 
 # ------------------------------------------------------------------------------------------------- unpad
