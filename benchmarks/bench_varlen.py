@@ -514,6 +514,8 @@ def _profile_steps(fwd, opt, batch, name, n=2):
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
         f.write("\n\nby CPU time\n")
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=90))
+        f.write("\n\nby self CPU time\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90))
 
 
 def sec_e2e():
