@@ -227,8 +227,8 @@ def sec_trainer():
                                         save_strategy="no", bf16=DEV == "cuda", use_cpu=DEV != "cuda", seed=0,
                                         data_seed=0, dataloader_num_workers=0, optim="adamw_torch_fused"
                                         if DEV == "cuda" else "adamw_torch")
-            trainer = tf.Trainer(model=model, args=args, train_dataset=data,
-                                 data_collator=collate)
+            trainer = tf.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
+                                 callbacks=[Timer()])
             backend, stats = _counting(impl)
             if impl != "eager":
                 trainer.model.compile(backend=backend)
