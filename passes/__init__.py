@@ -25,7 +25,7 @@ PASS_ORDER = (
     "linear_log_probs",     # log-prob / entropy chains; a cross-entropy loss is linear_cross_entropy's
     "foreign_fused_heads",  # reports another library's fused lm-head (Liger, CCE, Unsloth); rewrites nothing
     # Last: it needs the attention sites read as key padding and the lm-head loss fused.
-    "unpad_tokens",         # padded batch -> its real tokens as one packed row (off by default for now)
+    "unpad_tokens",         # padded batch -> its real tokens as one packed row
 )
 
 PASSES = load_pass_package(__name__, order=PASS_ORDER)

@@ -72,7 +72,6 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
     keep = real.reshape(-1)
     for i in range(0, len(targets_and_ignore), 2):
         keep = keep | (targets_and_ignore[i].reshape(-1) != targets_and_ignore[i + 1])
-    seen = real.to(torch.int32).cummax(1).values.bool().reshape(-1)  # a real token at or before this column
     if fill_holes:
         k = keep.view(key_valid.shape).to(torch.int32)
         before = k.cummax(1).values.bool()
@@ -80,6 +79,7 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
         keep = (before & after).reshape(-1)
         dead = torch.zeros_like(keep)
     else:
+        seen = real.to(torch.int32).cummax(1).values.bool().reshape(-1)  # a real token at or before this column
         dead = keep & ~seen
     idx = torch.nonzero(keep).reshape(-1)
     dead = dead.index_select(0, idx)
@@ -89,7 +89,7 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
     segment = torch.where(dead, rows + pos, torch.div(idx, cols, rounding_mode="floor"))  # non-decreasing
     docs = document_ranges(segment.unsqueeze(0))
     start = torch.where(dead.unsqueeze(0), (pos + 1).to(docs.dtype).unsqueeze(0), docs[0])
-    return idx, torch.stack([start, docs[1]]), real.reshape(-1).index_select(0, idx).unsqueeze(0)
+    return idx, torch.stack([start, docs[1]]), real.view(-1).index_select(0, idx).unsqueeze(0)
 
 
 def gather_rows_positions(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:
@@ -263,13 +263,13 @@ def _unpad(gm: fx.GraphModule, ctx) -> int:
         todo.remove((call, body))
         src = packed[call.graph]
         phs = [p for p in body.graph.nodes if p.op == "placeholder"]
-        new, last = {}, phs[-1]
-        for k, v in src.vectors().items():  # in operand order
+        new, last = [], phs[-1]
+        for k in src.vectors():  # in operand order
             with body.graph.inserting_after(last):
                 last = body.graph.placeholder(f"fxfuse_unpad_{k}")
-            new[k] = last
+            new.append(last)
         call.args = tuple(call.args) + tuple(src.vectors().values())
-        packed[body.graph] = _Packed(body.graph, new["idx"], new["doc_ranges"], new["key_valid"], new["mask"])
+        packed[body.graph] = _Packed(body.graph, *new)
 
     # -- what enters the region, gathered where it enters (in the graph of its first region user)
     for x, tags in gathers:

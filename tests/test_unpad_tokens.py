@@ -223,7 +223,7 @@ def test_hf_trainer_with_a_padding_collator(tmp_path):
                        args=TrainingArguments(output_dir=str(tmp_path / "hf"), **train_args(max_steps=3)),
                        train_dataset=ds, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
 
-    reps = assert_losses_unchanged(make, n_steps=3, rel=1e-5, abs=1e-6, options={"passes": {"unpad_tokens": True}})
+    reps = assert_losses_unchanged(make, n_steps=3, rel=1e-5, abs=1e-6)  # unpad_tokens on by default
     assert any(r.pass_name == "unpad_tokens" for rep in reps for r in rep.fused), [str(r) for r in reps]
 
 

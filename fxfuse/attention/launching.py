@@ -15,7 +15,6 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
 """
 from __future__ import annotations
 
-import weakref
 
 import torch
 
@@ -178,8 +177,7 @@ def key_span(valid):
     last = _SPAN_CACHE.get("last")
     if last is not None:
         held, held_ptr, held_layout, held_version, span = last
-        if held_ptr == ptr and held_layout == layout and held._version == held_version and \
-                (valid is not held or valid._version == held_version):
+        if held_ptr == ptr and held_layout == layout and held._version == held_version:
             return span
     span = _key_span(valid)
     _SPAN_CACHE["last"] = (valid, ptr, layout, valid._version, span)
