@@ -173,6 +173,20 @@ def sec_sdpa_dead_rows():
                      error=f"{type(e).__name__}: {str(e)[:160]}")
 
 
+def _fused_passes(impl):
+    """The passes that fused something in this run's reports (none for a run without fxfuse)."""
+    if not impl.startswith("fxfuse"):
+        return []
+    return sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused})
+
+
+def _release():
+    """Between runs: compiled code and cached GPU memory dropped, so the next run starts cold and its peak is its own."""
+    torch._dynamo.reset()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------------------- trainer
 def sec_trainer():
     """HF Trainer end to end with its padding collator for causal LMs (DataCollatorForLanguageModeling, mlm=False:
@@ -248,15 +262,12 @@ def sec_trainer():
                  padded_fraction=round(1 - sum(real_tok) / sum(padded), 3),
                  peak_gib=round(peak, 2), loss_first=losses[0] if losses else None,
                  loss_last=losses[-1] if losses else None,
-                 fused_passes=sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}))
+                 fused_passes=_fused_passes(impl))
             del trainer, model
-            torch._dynamo.reset()
-            if DEV == "cuda":
-                torch.cuda.empty_cache()
+            _release()
         except Exception as e:
             emit(section="trainer", impl=impl, error=f"{type(e).__name__}: {str(e)[:400]}")
             traceback.print_exc()
-
 
 
 # ------------------------------------------------------------------------------------------------- unpad
@@ -316,7 +327,6 @@ def sec_unpad():
                  logits_rel=rel(out.logits[real], ref.logits[real]),
                  grad_rel_max=max(rel(a, b) for a, b in zip(got_g, ref_g)),
                  grad_rel_max_without_unpad=base_g and max(rel(a, b) for a, b in zip(base_g, ref_g)))
-            del model
         except Exception as e:
             emit(section="unpad", arch=arch, pad=pad, error=f"{type(e).__name__}: {str(e)[:400]}")
             traceback.print_exc()
@@ -452,11 +462,9 @@ def _train(model_fn, impl, layout, steps, docs, vocab, seed=0, lora=False):
     jit_timed = [f"{st}:{name}" for st, name in jit["log"] if st in jit["timed"]]
     if os.environ.get("E2E_PROFILE") and DEV == "cuda":
         _profile_steps(fwd, opt, batch, f"{impl}-{layout}")
-    fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}) if impl.startswith("fxfuse") else []
+    fused = _fused_passes(impl)
     del model, opt, fwd
-    torch._dynamo.reset()
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+    _release()
     return dict(graphs=stats["graphs"], compile_s=round(stats["compile_s"], 1), steps_timed=len(times),
                 real_tokens_per_s=round(toks / sum(times)) if times else None,
                 step_ms=[round(t * 1e3, 1) for t in times], timed_steps=sorted(jit["timed"]),
@@ -591,11 +599,9 @@ def sec_long():
                 emit(section="long", shape=f"llama3-8b x{n_layers} layers", tune="lora r16 + checkpointing", impl=impl,
                      seq=S, loss=round(loss, 4), graphs=stats["graphs"], tokens_per_s=round(S / row["step1_s"]),
                      peak_gib=round(peak, 2), **row,
-                     fused_passes=sorted({r.pass_name for rp in fxfuse.reports() for r in rp.fused}) if impl == "fxfuse" else [])
+                     fused_passes=_fused_passes(impl))
             del model, opt, fwd
-            torch._dynamo.reset()
-            if DEV == "cuda":
-                torch.cuda.empty_cache()
+            _release()
         except Exception as e:
             emit(section="long", impl=impl, error=f"{type(e).__name__}: {str(e)[:400]}")
             traceback.print_exc()
