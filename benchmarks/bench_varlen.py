@@ -524,6 +524,23 @@ def _profile_steps(fwd, opt, batch, name, n=2):
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=90))
         f.write("\n\nby self CPU time\n")
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90))
+    # the host's Python by function (what the profiler's op table cannot split: Inductor's wrapper, fxfuse's
+    # launchers, Dynamo's guards), n steps under cProfile
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(70)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(50)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"cprofile-{name}.txt"), "w") as f:
+        f.write(f"{n} steps\n" + s.getvalue())
 
 
 def sec_e2e():

@@ -66,12 +66,20 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
     hole that the key flags mask (rare: labels not masked at padding, or holes inside a row).
 
     With ``fill_holes`` (a sliding window counts columns: kept tokens must be consecutive columns) every position
-    between a row's first and last kept token is kept too, and every kept token stays in place."""
+    between a row's first and last kept token is kept too, and every kept token stays in place.
+
+    At least one token is kept: a batch of padding only keeps its first position (a dead query, or under
+    ``fill_holes`` a query whose keys are all flagged), and the count is declared >= 1
+    (``torch._constrain_as_size``). Without that bound contiguous strides read ``max(1, N)``, not the ``N`` of
+    Inductor's buffers, and Inductor copied the document ranges once per layer to reach the attention op's
+    strides."""
     real = key_valid.to(torch.bool)
     rows, cols = key_valid.shape
     keep = real.reshape(-1)
     for i in range(0, len(targets_and_ignore), 2):
         keep = keep | (targets_and_ignore[i].reshape(-1) != targets_and_ignore[i + 1])
+    # at least one kept token, so that N >= 1 can be declared (see above)
+    keep = keep | ((torch.arange(keep.shape[0], device=keep.device) == 0) & ~keep.any())
     if fill_holes:
         k = keep.view(key_valid.shape).to(torch.int32)
         before = k.cummax(1).values.bool()
@@ -82,6 +90,7 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
         seen = real.to(torch.int32).cummax(1).values.bool().reshape(-1)  # a real token at or before this column
         dead = keep & ~seen
     idx = torch.nonzero(keep).reshape(-1)
+    torch._constrain_as_size(idx.shape[0], min=1)
     dead = dead.index_select(0, idx)
     order = torch.argsort(dead.to(torch.int8), stable=True)  # rows first, in order; dead queries after them
     idx, dead = idx.index_select(0, order), dead.index_select(0, order)

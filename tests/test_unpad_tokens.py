@@ -280,3 +280,32 @@ def test_inputs_embeds_enter_the_packed_row():
     emb = model.get_input_embeddings()(ids).detach().requires_grad_()
     _compiled_matches_eager(model, None, am, labels, call={"inputs_embeds": emb}, leaf=emb)
     assert _unpad_records(), str(fxfuse.report())
+
+
+def test_a_batch_of_padding_only_keeps_one_dead_token():
+    """The kept-token count is declared >= 1 (contiguous strides N, not max(1, N): no per-layer copies of the
+    packed vectors in Inductor's code), so a batch of padding only keeps its first position, as a dead query: the
+    compiled model runs it after a normal batch, without a recompile, and its loss is eager's (NaN: no label)."""
+    from fxfuse.passes.unpad_tokens import packed_index
+
+    am = torch.zeros(2, 5, dtype=torch.long)
+    idx, docs, kv = packed_index(am, False, torch.full((10,), -100), -100)
+    assert idx.tolist() == [0] and not kv.any() and docs[0, 0, 0] > 0  # one token, its start past its index
+    idx, _, _ = packed_index(am, True, torch.full((10,), -100), -100)  # the sliding-window form too
+    assert idx.tolist() == [0]
+
+    from torch._dynamo.utils import counters
+
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    counters.clear()
+    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})
+    for cols, pad_only in ((10, False), (9, False), (8, True)):
+        ids, am, labels = _batch("right", cols=cols)
+        if pad_only:
+            am.zero_()
+            labels.fill_(-100)
+        out = fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        ref = model(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        assert torch.allclose(out.loss, ref.loss, equal_nan=True), (out.loss, ref.loss)
+    assert out.loss.isnan() and counters["stats"]["unique_graphs"] == 2
+    assert _unpad_records(), str(fxfuse.report())
