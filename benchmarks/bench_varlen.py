@@ -17,7 +17,7 @@ Sections (argv; default all): check unpad attn e2e long (and trainer, on request
          ([8, longest] + attention mask, pads -100) and packed (one row, position ids restarting per document,
          -100 at document starts): graphs compiled, compile seconds, real (non-pad) tokens/s over the steps that
          compiled nothing, peak memory. E2E_IMPLS=fxfuse,inductor (default; fxfuse-unpad / fxfuse-nounpad: fxfuse
-         with / without unpad_tokens), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16,
+         with / without unpad_tokens; fxfuse-nomix: Inductor's mixed-order reductions off), E2E_LAYOUTS=packed,padded, E2E_STEPS=24, E2E_LAYERS=16,
          E2E_FROM=0 (timed steps start there at the earliest: the same steps for every impl)
   long   Llama-3-8B-shaped layers (LONG_LAYERS, default 4) with PEFT LoRA r16 on all projections and HF gradient
          checkpointing, batch 1 at 16384 then 32768 tokens (the recompile with a symbolic length): both train
@@ -388,6 +388,11 @@ def _counting(backend_name):
 
         def inner(gm, example_inputs, unpad=backend_name == "fxfuse-unpad"):
             return full(gm, example_inputs, options={"passes": {"unpad_tokens": unpad}})
+    elif backend_name == "fxfuse-nomix":  # Inductor's mixed-order reductions off (RMSNorm backward unfused)
+        from fxfuse.backend import fxfuse as full
+
+        def inner(gm, example_inputs):
+            return full(gm, example_inputs, options={"triton.mix_order_reduction": False})
     else:
         from torch._inductor.compile_fx import compile_fx as inner
 

@@ -54,6 +54,7 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     if mode is not None and mode != "default":
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(opts.inductor)
+    patches.update(_data_dependent_size_patches(gm, patches))
     key_pass = manager.cache_key_pass(patches.get("post_grad_custom_post_pass",
                                                   torch._inductor.config.post_grad_custom_post_pass))
     if key_pass is not None:
@@ -70,3 +71,25 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
     else:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return wrap_site_errors(wrap_substitutions(compiled, subs), sites, gm)
+
+
+def _data_dependent_size_patches(gm: fx.GraphModule, patches: Dict[str, Any]) -> Dict[str, Any]:
+    """Inductor settings a graph with a data-dependent (unbacked) size needs: unpad_tokens' kept-token count.
+
+    torch 2.11's Inductor picks the split of a mixed-order reduction (an RMSNorm backward's row and column sums
+    fused) from a size hint that an unbacked count does not have, and fails ("Cannot convert symbols to int"; seen
+    on the H200 machine; torch 2.13 falls back to a default hint). Given the split, it asks for no hint: 16, what
+    its heuristic picks for fewer than ~33k tokens on a 132-SM card. The user's own setting wins."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    key = "triton.mix_order_reduction_split_size"
+    if key in patches or not hasattr(torch._inductor.config.triton, key.split(".")[1]):
+        return {}
+    if getattr(torch._inductor.config.triton, key.split(".")[1]) is not None:
+        return {}
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule) and any(free_unbacked_symbols(n.meta.get("val"))
+                                                 for n in m.graph.nodes if n.op == "call_function"):
+            return {key: 16}
+    return {}
+

@@ -309,3 +309,22 @@ def test_a_batch_of_padding_only_keeps_one_dead_token():
         assert torch.allclose(out.loss, ref.loss, equal_nan=True), (out.loss, ref.loss)
     assert out.loss.isnan() and counters["stats"]["unique_graphs"] == 2
     assert _unpad_records(), str(fxfuse.report())
+
+
+def test_inductor_is_given_the_mixed_order_reduction_split(monkeypatch):
+    """A graph with the unbacked kept-token count gets Inductor's mixed-order reduction split size set (torch 2.11
+    failed to pick one from a size hint the count lacks: "Cannot convert symbols to int", on the GPU); a padded
+    batch that is not unpadded does not."""
+    import torch._inductor.compile_fx as cf
+
+    if not hasattr(torch._inductor.config.triton, "mix_order_reduction_split_size"):
+        pytest.skip("this torch has no mixed-order reductions")
+    seen = []
+    monkeypatch.setattr(cf, "compile_fx", lambda gm, ex, config_patches=None: seen.append(config_patches) or gm)
+    ids, am, labels = _batch("right")
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    for unpad in (True, False):
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="fxfuse", options={"passes": {"unpad_tokens": unpad}})
+        fn(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        assert seen[-1].get("triton.mix_order_reduction_split_size") == (16 if unpad else None), seen[-1]
