@@ -62,8 +62,10 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
     key at all. It goes after every row, as its own empty document (its start past its index: a dead query), so
     the rows' spans hold no padding and the attention kernels read no key flags (they cost ~20% of a layer's
     attention; benchmarks/unpad_notes.md). What a dead query computes is its own token's alone: its place in the
-    row is free. Kept padding after a real token of its row sees that row's keys before it: it stays in place, a
-    hole that the key flags mask (rare: labels not masked at padding, or holes inside a row).
+    row is free, and its key is flagged valid (no query reaches it), so that left padding leaves the key flags all
+    True: the kernels then skip reading them. Kept padding after a real token of its row sees that row's keys
+    before it: it stays in place, a hole that the key flags mask (rare: labels not masked at padding, or holes
+    inside a row).
 
     With ``fill_holes`` (a sliding window counts columns: kept tokens must be consecutive columns) every position
     between a row's first and last kept token is kept too, and every kept token stays in place.
@@ -98,7 +100,10 @@ def packed_index(key_valid: torch.Tensor, fill_holes: bool, *targets_and_ignore
     segment = torch.where(dead, rows + pos, torch.div(idx, cols, rounding_mode="floor"))  # non-decreasing
     docs = document_ranges(segment.unsqueeze(0))
     start = torch.where(dead.unsqueeze(0), (pos + 1).to(docs.dtype).unsqueeze(0), docs[0])
-    return idx, torch.stack([start, docs[1]]), real.view(-1).index_select(0, idx).unsqueeze(0)
+    # a dead token's key is flagged valid: no query reaches it (its own sees nothing, the rows' come before it),
+    # and a packed row whose flags are all True runs the attention kernels without reading them
+    flags = (real.view(-1).index_select(0, idx) | dead).unsqueeze(0)
+    return idx, torch.stack([start, docs[1]]), flags
 
 
 def gather_rows_positions(x: torch.Tensor, idx: torch.Tensor, dim: int) -> torch.Tensor:

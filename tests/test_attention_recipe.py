@@ -138,20 +138,25 @@ def test_key_span_is_each_rows_first_and_last_valid_key_and_holes():
                               ).tolist()[2] == [1, 6, 0, 0]
 
 
-def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch):
+@pytest.mark.parametrize("row_pairs", [True, False])
+def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch, row_pairs):
     """Rows padded by more than a tile at either end (interpreter tiles are 16): the kernels skip those key blocks
     (the valid-key span) and still give the PyTorch path's values, forward and every gradient, with a hole of
-    padding inside the span masked tile by tile and a row with no valid key at all."""
+    padding inside the span masked tile by tile, a row with no valid key at all and a row with no padding (run by
+    the launch without key flags where the kernels launch in row pairs, ``launching.ROW_PAIRS``)."""
     if not HAVE_TRITON or not interpreting():
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
-    B, S = 4, 70
-    valid = torch.ones(B, S, dtype=torch.bool)
+    from fxfuse.attention import launching
+
+    monkeypatch.setattr(launching, "ROW_PAIRS", row_pairs)
+    B, S = 5, 70
+    valid = torch.ones(B, S, dtype=torch.bool)  # row 4: no padding
     valid[0, :37] = False  # left padding: key blocks [0, 32) skipped, rows before 37 see nothing
     valid[1, 21:] = False  # right padding: key blocks from 32 on skipped
     valid[1, 5:9] = False  # a hole inside the span: the flags are read in every tile of this row
     valid[2] = False  # nothing valid
     valid[3, 50:] = False  # right padding, no hole: interior tiles [0, 48) read no flags
-    q, k, v, do, ids, keep = _case(B, 4, 2, S, 16, [[], [], [], []], valid, seed=5)
+    q, k, v, do, ids, keep = _case(B, 4, 2, S, 16, [[], [], [], [], []], valid, seed=5)
     for mr in ("zero", "uniform"):
         kw = dict(scaling=0.4, causal=True, key_valid=valid, masked_rows=mr)
         monkeypatch.setenv("FXFUSE_ATTENTION_IMPL", "triton")
@@ -320,7 +325,8 @@ def test_checkpointed_layers_get_the_recipe_vectors_not_the_mask(captured_graphs
 def test_a_document_starting_past_its_token_is_a_dead_query(monkeypatch, impl):
     """unpad_tokens' encoding of kept padding that sees no key: each such token its own document whose start lies
     past its index. It attends to nothing (zeros, as SDPA's fully masked row) and no query attends to it: the
-    values and every gradient equal those of the same row with those tokens masked as keys (key_valid)."""
+    values and every gradient equal those of the same row with those tokens masked as keys (key_valid), or flagged
+    valid."""
     if impl == "triton" and (not HAVE_TRITON or not interpreting()):
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
     S, pads = 40, [0, 13, 14, 31]  # a dead token first, two in a row, one late
@@ -339,6 +345,10 @@ def test_a_document_starting_past_its_token_is_a_dead_query(monkeypatch, impl):
     got = _grads(softcap_attention(q, k, v, causal=True, doc_ranges=dead), q, k, v, do)
     want = _grads(softcap_attention(q, k, v, causal=True, doc_ranges=document_ranges(seg), key_valid=valid),
                   q, k, v, do)
+    # unpad_tokens flags the dead tokens' keys valid (no query reaches them): all flags True, the same values
+    flagged = _grads(softcap_attention(q, k, v, causal=True, doc_ranges=dead, key_valid=torch.ones_like(valid)),
+                     q, k, v, do)
     assert (got[0][0, :, pads] == 0).all()
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, want, flagged):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5, msg=name)

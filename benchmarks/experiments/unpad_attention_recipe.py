@@ -1,6 +1,6 @@
 """What the unpadded row's attention recipe costs (issue 31): one attention layer fwd+bwd over one packed row of 8
 log-normal documents (Llama-3.2-1B heads, bf16), documents only, documents + an all-true ``key_valid`` (what
-unpad_tokens passes today), and documents whose kept padding is encoded in ``doc_ranges`` alone (a kept pad is its
+unpad_tokens passes; with the kernels' row pairs, ``launching.ROW_PAIRS``, and with the flag variant alone), and documents whose kept padding is encoded in ``doc_ranges`` alone (a kept pad is its
 own empty document: start = its index + 1, so no query sees it and it sees nothing), checked against the key_valid
 form with those pads marked invalid.
 
@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from _common import DEV, SMOKE, bench, jsonl_emitter, rel  # noqa: E402
 from bench_varlen import doc_lengths  # noqa: E402
+from fxfuse.attention import launching  # noqa: E402
 from fxfuse.attention.op import document_ranges, softcap_attention  # noqa: E402
 
 emit = jsonl_emitter("unpad-attn.jsonl")
@@ -46,10 +47,15 @@ def main():
         dead[0, 0, pads] = pads.to(torch.int32) + 1
         variants = {"docs": dict(doc_ranges=docs),
                     "docs + key_valid all true": dict(doc_ranges=docs, key_valid=torch.ones_like(kv)),
+                    "docs + key_valid all true, flag variant only": dict(doc_ranges=docs, key_valid=torch.ones_like(kv),
+                                                                        row_pairs=False),
                     "segments + key_valid pads": dict(doc_ranges=document_ranges(seg), key_valid=kv),
                     "segments, dead pads in ranges": dict(doc_ranges=dead)}
         outs = {}
         for name, kw in variants.items():
+            kw = dict(kw)
+            launching.ROW_PAIRS = kw.pop("row_pairs", True)  # see fxfuse.attention.launching
+
             def step(kw=kw):
                 o = softcap_attention(q, k, v, causal=True, kernel="fxfuse", **kw)
                 o.backward(do)
@@ -60,6 +66,7 @@ def main():
             ms, peak = bench(step)
             q.grad = k.grad = v.grad = None
             emit(tokens=N, docs=len(lens), variant=name, fwd_bwd_ms=round(ms, 3), peak_gib=round(peak, 3))
+        launching.ROW_PAIRS = True
         a, b = outs["segments + key_valid pads"], outs["segments, dead pads in ranges"]
         emit(tokens=N, check="dead-pad ranges vs key_valid", out_rel=rel(b[0], a[0]), dq_rel=rel(b[1], a[1]),
              dk_rel=rel(b[2], a[2]), dv_rel=rel(b[3], a[3]), pad_rows_zero=bool((b[0][0, :, pads] == 0).all()))

@@ -16,6 +16,8 @@ masked] loops like the forward (:mod:`.block_map`). At head_dim 256 dK and dV ru
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from fxfuse.kernels.launch_cache import PlanCache, Recorder, rebase_descriptor
@@ -23,10 +25,10 @@ from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descri
 
 from . import launching
 from .block_map import (key_block_needs_flags, key_block_outside_span, kv_block_query_ranges, load_ranges,
-                        mask_block_ranges_of, q_block_key_ranges_of, use_mask_ranges)
+                        mask_block_ranges_of, q_block_key_ranges_of, row_skipped, use_mask_ranges)
 from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
-                        plan_key, recipe_args, recipe_tensors, score_scalars, softcap_mode)
+                        plan_key, recipe_args, recipe_tensors, row_launches, score_scalars, softcap_mode)
 from .reference import expand_mask, nan_grads_of_dead_rows
 from .scores import dot, dot_acc, load_tile, masked_scores, tanh_exp2
 
@@ -145,11 +147,14 @@ if HAVE_TRITON:
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
                        DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
                        BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                       INT64: tl.constexpr, USE_DESC: tl.constexpr):
+                       INT64: tl.constexpr, USE_DESC: tl.constexpr, ROWS: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n, bhk = grid_ids(BLOCK_MAJOR, False)
         b = bhk // HKV
+        if ROWS != 0:  # one of a pair of launches (launching.ROW_PAIRS)
+            if row_skipped(KVSPAN + b * stride_spanb, SKV, ROWS):
+                return
         hk = bhk % HKV
         start_n = pid_n * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -263,9 +268,12 @@ if HAVE_TRITON:
                      SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                      BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                     INT64: tl.constexpr):
+                     INT64: tl.constexpr, ROWS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
+        if ROWS != 0:  # one of a pair of launches (launching.ROW_PAIRS)
+            if row_skipped(KVSPAN + b * stride_spanb, SKV, ROWS):
+                return
         h = bh % H
         hk = h // G
         start_m = pid_m * BLOCK_M
@@ -496,7 +504,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     key = (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv)
     common["MASK_RANGES"] = ranges
     common["BLOCK_MAJOR"] = launching.BLOCK_MAJOR_GRID
-    common.update(HAS_DOCS=has_docs, HAS_KVV=has_kvv,
+    common.update(HAS_DOCS=has_docs,
                   INT64=needs_int64(q, k, v, do, dq, dk, dv, expand_mask(mask, B, Hq, S, Skv)))
     descs = [None, None]
 
@@ -512,23 +520,25 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         use_desc = q_desc is not None and do_desc is not None
         descs[:] = [q_desc, do_desc] if use_desc else [None, None]
         with rec.attempt():
-            for do_dk, do_dv in passes:
+            for (do_dk, do_dv), (rows, flags) in itertools.product(passes, row_launches(has_kvv)):
                 rec.launch(_attn_bwd_dkdv, grid(triton.cdiv(Skv, BN), B * Hkv), (
                     q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dk, dv, descs[0], descs[1],
                     *q.stride(), *k.stride(), *v.stride(), *ms,
                     *rs, sdb, sde, skb, ssb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S,
                     int(window or 0), sc_mul, out_mul, float(scaling)), dict(
                     BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
-                    DO_DV=do_dv, USE_DESC=use_desc, **common))
+                    DO_DV=do_dv, USE_DESC=use_desc, HAS_KVV=flags, ROWS=rows, **common))
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        rec.launch(_attn_bwd_dq, grid(triton.cdiv(S, BM), B * Hq), (
-            q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *ms, *rs,
-            sdb, sde, skb, ssb, *do.stride(),
-            *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling)), dict(
-            BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, **common))
+        with rec.attempt():
+            for rows, flags in row_launches(has_kvv):
+                rec.launch(_attn_bwd_dq, grid(triton.cdiv(S, BM), B * Hq), (
+                    q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
+                    *ms, *rs, sdb, sde, skb, ssb, *do.stride(),
+                    *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling)), dict(
+                    BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, HAS_KVV=flags, ROWS=rows, **common))
 
     launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, config_for("dkdv", BLOCK_D, q.dtype, config), key,
                           launch_dkdv)

@@ -157,6 +157,18 @@ if HAVE_TRITON:
         return lo, b, c, hi
 
     @triton.jit
+    def row_skipped(KVS, SKV, ROWS: tl.constexpr):
+        """Whether this launch leaves this program's batch row to the other launch of its pair (ROWS 1: the
+        launch without key flags, which takes the rows whose keys are all valid, ``KVS`` = (0, SKV, no holes);
+        ROWS 2: the launch with them, which takes the other rows). Key flags cost registers the kernels spill at
+        head dim 64 (~20% of a layer's attention): a packed row of real tokens never reads them."""
+        full = (tl.load(KVS) == 0) & (tl.load(KVS + 1) == SKV) & (tl.load(KVS + 2) == 0)
+        if ROWS == 1:
+            return full == 0
+        else:
+            return full
+
+    @triton.jit
     def key_block_outside_span(start_n, KVS, BLOCK_N: tl.constexpr):
         """True where keys [start_n, start_n + BLOCK_N) all lie outside the row's valid-key span (pure padding):
         no query attends them, their dK / dV are 0."""
@@ -197,7 +209,8 @@ if HAVE_TRITON:
         c = tl.minimum(tl.maximum(full_hi, b), hi)
         return lo, b, c, hi
 else:  # pragma: no cover
-    load_ranges = q_block_key_ranges_of = kv_block_query_ranges = key_block_outside_span = key_block_needs_flags = None
+    load_ranges = q_block_key_ranges_of = kv_block_query_ranges = key_block_outside_span = key_block_needs_flags = \
+        row_skipped = None
 
 
 # Block ranges from a mask tensor (see the module docstring); False = read the mask in every block (benchmarks

@@ -17,10 +17,10 @@ from fxfuse.kernels.launch_cache import PlanCache, Recorder
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
 
 from . import launching
-from .block_map import mask_block_ranges_of, q_block_key_ranges_of, use_mask_ranges
+from .block_map import mask_block_ranges_of, q_block_key_ranges_of, row_skipped, use_mask_ranges
 from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
-                        plan_key, recipe_args, recipe_tensors, score_scalars, softcap_mode)
+                        plan_key, recipe_args, recipe_tensors, row_launches, score_scalars, softcap_mode)
 from .reference import expand_mask, value_mean
 from .scores import dot, dot_acc, load_tile, masked_scores
 
@@ -83,9 +83,12 @@ if HAVE_TRITON:
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
-                  HAS_KVV: tl.constexpr, INT64: tl.constexpr):
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
+        if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
+            if row_skipped(KVSPAN + b * stride_spanb, SKV, ROWS):
+                return
         h = bh % H
         hk = h // G  # GQA: this q head's kv head
         start_m = pid_m * BLOCK_M
@@ -177,16 +180,18 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     def launch(c):
         BM, BN, nw, ns = c[:4]
         rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
-        rec.launch(_attn_fwd, grid(triton.cdiv(S, BM), B * Hq), (
-            q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms, *rs, sdb,
-            sde, skb, ssb, *out.stride(),
-            Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul), dict(
-            HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
-            MASK_KIND=kind,
-            IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
-            DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
-            BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs, HAS_KVV=has_kvv,
-            INT64=int64, num_warps=nw, num_stages=ns))
+        with rec.attempt():
+            for rows, flags in row_launches(has_kvv):
+                rec.launch(_attn_fwd, grid(triton.cdiv(S, BM), B * Hq), (
+                    q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms,
+                    *rs, sdb, sde, skb, ssb, *out.stride(),
+                    Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul), dict(
+                    HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
+                    MASK_KIND=kind,
+                    IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
+                    DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
+                    BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)

@@ -25,7 +25,7 @@ from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
            "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH",
-           "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars"]
+           "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
 # size. Dh 256 bf16 (H200 sweeps in benchmarks/attention_notes.md): fwd (128, 64, 8 warps) keeps Q [128, 256]
@@ -153,7 +153,23 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
     kv = None if key_valid is None else (key_valid.shape, key_valid.stride())
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, scaling, softcap, causal, window, masked_rows, dr, kv, BLOCK_MAJOR_GRID, FAST_TANH, FORCE_INT64,
-            extra)
+            ROW_PAIRS, extra)
+
+
+# Key flags, a pair of launches: the kernels' flag-reading variant (HAS_KVV) holds more registers, and at head dim
+# 64 it spills (dQ 472 bytes, the forward 28; ptxas for sm_90a, benchmarks/unpad_notes.md): ~20% of a layer's
+# attention on the H200 even where every flag is True. So each kernel runs twice, as (ROWS, HAS_KVV): once
+# without flags over the rows whose keys are all valid (the span says (0, Skv, no holes)), once with them over
+# the others; a program of the other launch's row returns at once (a few microseconds for an empty launch). The
+# choice is made on the device, per row: no host sync. ROW_PAIRS = False launches the flag variant alone.
+ROW_PAIRS = True
+
+
+def row_launches(has_kvv):
+    """(ROWS, HAS_KVV) of each launch of a kernel: see ROW_PAIRS."""
+    if not has_kvv:
+        return ((0, False),)
+    return ((1, False), (2, True)) if ROW_PAIRS else ((0, True),)
 
 
 _SPAN_CACHE = {}  # "last": (the key_valid tensor, its storage address, layout, version, its span)
