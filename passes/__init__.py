@@ -26,6 +26,8 @@ PASS_ORDER = (
     "foreign_fused_heads",  # reports another library's fused lm-head (Liger, CCE, Unsloth); rewrites nothing
     # Last: it needs the attention sites read as key padding and the lm-head loss fused.
     "unpad_tokens",         # padded batch -> its real tokens as one packed row
+    # After every fusion: it wraps what is left of a layer's MLP (LoRA ops included) as one opaque op.
+    "sequence_tiling",      # token-wise wide regions over chunks of tokens (off by default)
 )
 
 PASSES = load_pass_package(__name__, order=PASS_ORDER)

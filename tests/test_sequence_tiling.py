@@ -1,0 +1,165 @@
+"""sequence_tiling / ``fxfuse::token_tiled`` (issue 32): a decoder's MLP run over chunks of tokens, saving only its
+input; the backward recomputes it chunk by chunk.
+
+The op against a float64 reference (forward, the input's and every trainable weight's gradient; ragged token
+counts, a sequence shorter than a chunk, frozen weights); whole models as users compile them (Llama, Gemma-2's
+GELU MLP, PEFT LoRA, HF gradient checkpointing): loss and every gradient as eager, what the forward saves for the
+backward smaller by the MLP's intermediates, no recompile as the length changes, and LoRA dropout left untiled with
+the reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import fxfuse
+from fxfuse.ops.token_tiled import token_tiled
+
+from conftest import tiny_causal_lm
+
+TILE = {"passes": {"sequence_tiling": True}, "pass_options": {"sequence_tiling": {"chunk_tokens": 7}}}
+
+
+def _mlp(x, wg, wu, wd):
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+@pytest.mark.parametrize("shape,chunk", [((3, 37, 16), 10), ((5, 16), 64), ((1, 64, 16), 16)])
+def test_op_matches_float64_forward_and_gradients(shape, chunk):
+    """Ragged (37 tokens in chunks of 10), shorter than one chunk, exact multiples: float64 values and gradients
+    as the untiled subgraph's; a frozen weight gets none."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    wg = torch.randn(48, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    wu = torch.randn(48, 16, generator=g, dtype=torch.float64)  # frozen
+    wd = torch.randn(16, 48, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(*shape, generator=g, dtype=torch.float64)
+    want = _mlp(x, wg, wu, wd)
+    gw = torch.autograd.grad(want, (x, wg, wd), dy)
+    got = token_tiled(x, [wg, wu, wd], fx.symbolic_trace(_mlp), chunk)
+    gg = torch.autograd.grad(got, (x, wg, wd), dy)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert wu.grad is None
+
+
+def test_op_in_bf16_is_as_close_to_float64_as_the_untiled_subgraph():
+    """bf16 weights: the tiled gradients (fp32 accumulation across chunks) no further from float64 than the untiled
+    bf16 subgraph's, within 2x."""
+    g = torch.Generator().manual_seed(1)
+    ref = [torch.randn(*s, generator=g, dtype=torch.float64) * 0.2 for s in ((2, 300, 64), (128, 64), (128, 64),
+                                                                           (64, 128))]
+    dy = torch.randn(2, 300, 64, generator=g, dtype=torch.float64)
+    x64, *w64 = [t.clone().requires_grad_() for t in ref]
+    exact = torch.autograd.grad(_mlp(x64, *w64), [x64] + w64, dy)
+
+    def err(tiled):
+        xb, *wb = [t.to(torch.bfloat16).requires_grad_() for t in ref]
+        y = token_tiled(xb, wb, fx.symbolic_trace(_mlp), 32) if tiled else _mlp(xb, *wb)
+        got = torch.autograd.grad(y, [xb] + wb, dy.to(torch.bfloat16))
+        return [((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, exact)]
+
+    for tiled_err, eager_err in zip(err(True), err(False)):
+        assert tiled_err <= 2 * eager_err + 1e-6, (tiled_err, eager_err)
+
+
+def _loss_and_grads(model, batch, options=None):
+    fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", **(options or {})}) \
+        if options is not None else model
+    out = fn(**batch, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out.loss.detach(), grads
+
+
+def _tiled_records(kind="fused"):
+    return [r for r in getattr(fxfuse.report(), kind) if r.pass_name == "sequence_tiling"]
+
+
+@pytest.mark.parametrize("arch,checkpointing", [("llama", False), ("llama", True), ("gemma2", False)])
+def test_models_train_as_eager_with_their_mlps_tiled(arch, checkpointing):
+    """Each layer's MLP becomes one tiled op (in the checkpoint bodies under HF gradient checkpointing): the loss
+    and every gradient equal eager's."""
+    model = tiny_causal_lm(arch, attn_implementation="eager" if arch == "gemma2" else "sdpa")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(4, 128, (2, 20), generator=torch.Generator().manual_seed(2))
+    batch = dict(input_ids=ids, labels=ids.clone())
+    ref, ref_grads = _loss_and_grads(model, batch)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    loss, grads = _loss_and_grads(model, batch, TILE)
+    assert torch.allclose(loss, ref, rtol=1e-6), (loss, ref)
+    for name, g in ref_grads.items():
+        assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+    rec = _tiled_records()
+    assert len(rec) == model.config.num_hidden_layers, str(fxfuse.report())
+    assert rec[0].detail["chunk_tokens"] == 7 and rec[0].detail["widest"] == model.config.intermediate_size
+
+
+def test_peft_lora_mlp_is_tiled_and_lora_dropout_is_left_with_the_reason():
+    """PEFT LoRA on the MLP: fxfuse's LoRA ops go inside the tiled body, adapter gradients as eager; with LoRA
+    dropout the body would draw other masks in the backward's recompute: left untiled, with the reason."""
+    import peft
+
+    ids = torch.randint(4, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    batch = dict(input_ids=ids, labels=ids.clone())
+    for dropout in (0.0, 0.1):
+        model = peft.get_peft_model(tiny_causal_lm("llama", attn_implementation="sdpa"), peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=dropout, init_lora_weights=False,
+            target_modules=["gate_proj", "up_proj", "down_proj"]))
+        model.train()
+        fxfuse.clear_reports()
+        torch._dynamo.reset()
+        if dropout:
+            _loss_and_grads(model, batch, TILE)
+            assert not _tiled_records() and "random" in _tiled_records("skipped")[0].reason, str(fxfuse.report())
+            continue
+        ref, ref_grads = _loss_and_grads(model, batch)
+        loss, grads = _loss_and_grads(model, batch, TILE)
+        assert torch.allclose(loss, ref, rtol=1e-6)
+        for name, g in ref_grads.items():
+            assert (grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-7, name
+        assert len(_tiled_records()) == 2, str(fxfuse.report())
+
+
+def test_saved_activations_lose_the_mlp_intermediates_and_lengths_do_not_recompile():
+    """What the compiled forward saves (autograd's saved-tensor hooks, parameters not counted) shrinks by at least
+    the MLP's three [tokens, intermediate] tensors per layer; a new length every batch compiles 2 graphs, as
+    without the pass."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_causal_lm("llama", attn_implementation="sdpa", intermediate_size=256)
+    cfg = model.config
+
+    def run(options, lengths):
+        torch._dynamo.reset()
+        counters.clear()
+        fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", **options})
+        total = 0
+        for n in lengths:
+            ids = torch.randint(4, 128, (1, n), generator=torch.Generator().manual_seed(n))
+            sizes = [0]
+
+            def pack(t):
+                if not isinstance(t, torch.nn.Parameter):
+                    sizes[0] += t.numel() * t.element_size()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = fn(input_ids=ids, labels=ids.clone(), use_cache=False)
+            out.loss.backward()
+            model.zero_grad()
+            total = sizes[0]
+        return total, counters["stats"]["unique_graphs"]
+
+    lengths = [40, 48, 56, 64]
+    plain, graphs_plain = run({}, lengths)
+    tiled, graphs_tiled = run(TILE, lengths)
+    mlp = 3 * lengths[-1] * cfg.intermediate_size * 4 * cfg.num_hidden_layers  # gate, up, act(gate) * up: fp32
+    assert plain - tiled >= mlp, (plain, tiled, mlp)
+    assert graphs_tiled == graphs_plain == 2, (graphs_tiled, graphs_plain)
