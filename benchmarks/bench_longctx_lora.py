@@ -50,7 +50,8 @@ sys.path.insert(0, HERE)
 import bench_longctx_attention as common  # noqa: E402  (driver helpers: child processes, versions, JSON, merge)
 
 ROW_TAG = common.ROW_TAG
-IMPLS = ("fxfuse", "inductor")
+IMPLS = ("fxfuse", "inductor")  # the default; "fxfuse-tiled" (+ sequence_tiling) on request
+KNOWN_IMPLS = IMPLS + ("fxfuse-tiled",)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EPILOG = """
 Times on one H200 (estimates from the 8B-widths x4-layer rows and the attention anchor, not measured at 32 layers):
@@ -93,8 +94,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     a.impl = [s for s in (a.impl or ("fxfuse" if a.tiny else ",".join(IMPLS))).split(",") if s]
     for x in a.impl:
-        if x not in IMPLS:
-            p.error(f"unknown impl {x!r}; known: {IMPLS}")
+        if x not in KNOWN_IMPLS:
+            p.error(f"unknown impl {x!r}; known: {KNOWN_IMPLS}")
     default_lengths = "64,96" if a.tiny else "16384,32768,65536,131072,262144"
     a.lengths = [int(s) for s in (a.lengths or default_lengths).split(",") if s]
     a.eager_check = (64 if a.tiny else 16384) if a.eager_check is None else a.eager_check
@@ -180,6 +181,13 @@ def counting_backend(impl):
     if impl == "fxfuse":
         import fxfuse  # noqa: F401  (registers the backend and its passes)
         from fxfuse.backend import fxfuse as inner
+    elif impl == "fxfuse-tiled":  # + sequence_tiling: each layer's MLP over chunks of TILE_TOKENS (8192) tokens
+        from fxfuse.backend import fxfuse as full
+
+        def inner(gm, example_inputs):
+            return full(gm, example_inputs, options={
+                "passes": {"sequence_tiling": True},
+                "pass_options": {"sequence_tiling": {"chunk_tokens": int(os.environ.get("TILE_TOKENS", 8192))}}})
     else:
         from torch._inductor.compile_fx import compile_fx as inner
 
@@ -327,7 +335,7 @@ def child(args):
             eager_check(args, model, b, dev, row, S)
         else:
             backend, stats = counting_backend(impl)
-            if impl == "fxfuse":
+            if impl.startswith("fxfuse"):
                 import fxfuse
 
                 fxfuse.clear_reports()
@@ -339,7 +347,7 @@ def child(args):
             finally:
                 row["graphs"] = stats["graphs"]
                 row["compile_s"] = round(stats["compile_s"], 1)
-                if impl == "fxfuse":
+                if impl.startswith("fxfuse"):
                     fxfuse_summary(row)
         row["phase"] = "done"
     except Exception as e:  # noqa: BLE001
@@ -426,7 +434,7 @@ def plot(json_path, png_path):
         for impl, packed in groups:
             rs = sorted((r for r in rows if r["impl"] == impl and r.get("packed", 1) == packed), key=lambda r: r["S"])
             name = impl + (f", {packed} docs" if packed > 1 else "")
-            color = "tab:red" if impl == "fxfuse" else "tab:blue"
+            color = {"fxfuse": "tab:red", "fxfuse-tiled": "tab:orange"}.get(impl, "tab:blue")
             ok = [(r["S"], r[field]) for r in rs if isinstance(r.get(field), (int, float)) and "error" not in r]
             line = ax.plot([p[0] for p in ok], [p[1] for p in ok], marker="o", label=name, color=color,
                            ls="-" if packed == 1 else "--")
