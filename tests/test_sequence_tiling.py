@@ -18,7 +18,7 @@ from fxfuse.ops.token_tiled import token_tiled
 
 from conftest import tiny_causal_lm
 
-TILE = {"passes": {"sequence_tiling": True}, "pass_options": {"sequence_tiling": {"chunk_tokens": 7}}}
+TILE = {"pass_options": {"sequence_tiling": {"chunk_tokens": 7, "mode": "always"}}}
 
 
 def _mlp(x, wg, wu, wd):
@@ -163,3 +163,26 @@ def test_saved_activations_lose_the_mlp_intermediates_and_lengths_do_not_recompi
     mlp = 3 * lengths[-1] * cfg.intermediate_size * 4 * cfg.num_hidden_layers  # gate, up, act(gate) * up: fp32
     assert plain - tiled >= mlp, (plain, tiled, mlp)
     assert graphs_tiled == graphs_plain == 2, (graphs_tiled, graphs_plain)
+
+
+def test_auto_mode_tiles_only_what_would_take_a_large_share_of_the_budget():
+    """Auto mode (the default): with a memory budget the MLPs' intermediates would take more than 5% of, every
+    MLP is tiled (the report holds the prediction); with a budget they fit in, none, and the report says why; on
+    a CPU without a budget, nothing and nothing said."""
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    ids = torch.randint(4, 128, (2, 20), generator=torch.Generator().manual_seed(4))
+    batch = dict(input_ids=ids, labels=ids.clone())
+    need = 6 * 40 * model.config.intermediate_size * 4  # 40 tokens, fp32
+    for budget, tiled in ((need * 10, True), (need * 100, False), (0, False)):
+        fxfuse.clear_reports()
+        torch._dynamo.reset()
+        opts = {"pass_options": {"sequence_tiling": {"memory_budget": budget}}} if budget else {}
+        _loss_and_grads(model, batch, opts)
+        rec, skipped = _tiled_records(), _tiled_records("skipped")
+        assert bool(rec) == tiled, str(fxfuse.report())
+        if tiled:
+            assert rec[0].detail["predicted_bytes"] == need and rec[0].detail["mode"] == "auto"
+        elif budget:
+            assert "not needed" in skipped[0].reason and "within 5%" in skipped[0].reason, skipped[0].reason
+        else:
+            assert not skipped, str(fxfuse.report())
