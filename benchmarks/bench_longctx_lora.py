@@ -50,8 +50,8 @@ sys.path.insert(0, HERE)
 import bench_longctx_attention as common  # noqa: E402  (driver helpers: child processes, versions, JSON, merge)
 
 ROW_TAG = common.ROW_TAG
-IMPLS = ("fxfuse", "inductor")  # the default; "fxfuse-tiled" (+ sequence_tiling) on request
-KNOWN_IMPLS = IMPLS + ("fxfuse-tiled",)
+IMPLS = ("fxfuse", "inductor")  # the default; "fxfuse-tiled" / "fxfuse-untiled" (sequence_tiling always / off)
+KNOWN_IMPLS = IMPLS + ("fxfuse-tiled", "fxfuse-untiled")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EPILOG = """
 Times on one H200 (estimates from the 8B-widths x4-layer rows and the attention anchor, not measured at 32 layers):
@@ -181,13 +181,17 @@ def counting_backend(impl):
     if impl == "fxfuse":
         import fxfuse  # noqa: F401  (registers the backend and its passes)
         from fxfuse.backend import fxfuse as inner
-    elif impl == "fxfuse-tiled":  # + sequence_tiling: each layer's MLP over chunks of TILE_TOKENS (8192) tokens
+    elif impl == "fxfuse-tiled":  # sequence_tiling always: each MLP over chunks of TILE_TOKENS (8192) tokens
         from fxfuse.backend import fxfuse as full
 
         def inner(gm, example_inputs):
-            return full(gm, example_inputs, options={
-                "passes": {"sequence_tiling": True},
-                "pass_options": {"sequence_tiling": {"chunk_tokens": int(os.environ.get("TILE_TOKENS", 8192))}}})
+            return full(gm, example_inputs, options={"pass_options": {"sequence_tiling": {
+                "mode": "always", "chunk_tokens": int(os.environ.get("TILE_TOKENS", 8192))}}})
+    elif impl == "fxfuse-untiled":  # sequence_tiling off (the default, auto, tiles at long lengths on its own)
+        from fxfuse.backend import fxfuse as full
+
+        def inner(gm, example_inputs):
+            return full(gm, example_inputs, options={"passes": {"sequence_tiling": False}})
     else:
         from torch._inductor.compile_fx import compile_fx as inner
 
@@ -434,7 +438,8 @@ def plot(json_path, png_path):
         for impl, packed in groups:
             rs = sorted((r for r in rows if r["impl"] == impl and r.get("packed", 1) == packed), key=lambda r: r["S"])
             name = impl + (f", {packed} docs" if packed > 1 else "")
-            color = {"fxfuse": "tab:red", "fxfuse-tiled": "tab:orange"}.get(impl, "tab:blue")
+            color = {"fxfuse": "tab:red", "fxfuse-tiled": "tab:orange", "fxfuse-untiled": "tab:purple"}.get(
+                impl, "tab:blue")
             ok = [(r["S"], r[field]) for r in rs if isinstance(r.get(field), (int, float)) and "error" not in r]
             line = ax.plot([p[0] for p in ok], [p[1] for p in ok], marker="o", label=name, color=color,
                            ls="-" if packed == 1 else "--")
