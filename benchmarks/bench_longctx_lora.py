@@ -51,7 +51,7 @@ import bench_longctx_attention as common  # noqa: E402  (driver helpers: child p
 
 ROW_TAG = common.ROW_TAG
 IMPLS = ("fxfuse", "inductor")  # the default; "fxfuse-tiled" / "fxfuse-untiled" (sequence_tiling always / off)
-KNOWN_IMPLS = IMPLS + ("fxfuse-tiled", "fxfuse-untiled")
+KNOWN_IMPLS = IMPLS + ("fxfuse-tiled", "fxfuse-untiled", "fxfuse-offload")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EPILOG = """
 Times on one H200 (estimates from the 8B-widths x4-layer rows and the attention anchor, not measured at 32 layers):
@@ -187,6 +187,11 @@ def counting_backend(impl):
         def inner(gm, example_inputs):
             return full(gm, example_inputs, options={"pass_options": {"sequence_tiling": {
                 "mode": "always", "chunk_tokens": int(os.environ.get("TILE_TOKENS", 8192))}}})
+    elif impl == "fxfuse-offload":  # the default (auto tiling) + saved activations in host memory (fxfuse.offload)
+        from fxfuse.backend import fxfuse as full
+
+        def inner(gm, example_inputs):
+            return full(gm, example_inputs, options={"offload_activations": True})
     elif impl == "fxfuse-untiled":  # sequence_tiling off (the default, auto, tiles at long lengths on its own)
         from fxfuse.backend import fxfuse as full
 
