@@ -44,6 +44,9 @@ _LORA = torch.ops.fxfuse.lora_linear.default
 _LORA_GROUP = torch.ops.fxfuse.lora_linear_group.default
 # token-wise ops a region may hold besides projections: element-wise arithmetic, activations, casts
 _ELEMENTWISE_KINDS = {"mul", "add", "sub", "div", "neg", "tanh", "exp", "cast", "getitem"}
+# unpad_tokens runs each projection of its packed row [1, N, D] as a 2-D matmul between squeeze(0) / unsqueeze(0):
+# inside a body on [tokens, features] chunks those pairs act on the leading size-1 dimension only
+_LEADING_ONE = {"squeeze", "unsqueeze"}
 _ACTIVATIONS = {F.silu, F.gelu, F.relu, torch.sigmoid, torch.relu, torch.tanh, F.sigmoid if hasattr(F, "sigmoid")
                 else torch.sigmoid, torch.nn.functional.mish, torch.nn.functional.hardswish}
 _ACTIVATION_METHODS = {"sigmoid", "relu", "tanh"}
@@ -76,6 +79,8 @@ def _allowed(n: fx.Node) -> bool:
         return True
     if n.op == "call_method" and n.target in _ACTIVATION_METHODS:
         return True
+    if op_kind(n) in _LEADING_ONE:
+        return tuple(n.args[1:]) == (0,) and not n.kwargs
     return op_kind(n) in _ELEMENTWISE_KINDS or op_kind(n) == "linear"
 
 
@@ -98,9 +103,33 @@ def _width(n) -> Optional[int]:
     return v.shape[-1]
 
 
+def _tokens(v) -> list:
+    """A tensor's token dimensions: all but the last, leading size-1 dimensions dropped ([1, N, D] -> [N])."""
+    dims = list(v.shape[:-1])
+    while dims and statically_known_true(dims[0] == 1):
+        dims.pop(0)
+    return dims
+
+
 def _same_tokens(a, b) -> bool:
-    va, vb = node_val(a), node_val(b)
-    return (va.dim() == vb.dim() and all(statically_known_true(x == y) for x, y in zip(va.shape[:-1], vb.shape[:-1])))
+    ta, tb = _tokens(node_val(a)), _tokens(node_val(b))
+    return len(ta) == len(tb) and all(statically_known_true(x == y) for x, y in zip(ta, tb))
+
+
+def _leading_one(n: fx.Node) -> bool:
+    """squeeze(0) / unsqueeze(0): unpad_tokens' 2-D projections on its [1, N, D] row."""
+    return n.op in ("call_function", "call_method") and op_kind(n) in _LEADING_ONE \
+        and tuple(n.args[1:]) == (0,) and not n.kwargs
+
+
+def _has_token_dim(p: fx.Node, x: fx.Node) -> bool:
+    """Whether graph input ``p`` may have a dimension that indexes tokens (any dimension the size of one of ``x``'s
+    token dimensions, other than 1): chunking ``x`` but not ``p`` would pair the wrong rows."""
+    v, xv = node_val(p), node_val(x)
+    if not isinstance(v, torch.Tensor):
+        return False
+    return any(not statically_known_true(t == 1) and statically_known_true(d == t)
+               for d in v.shape for t in xv.shape[:-1])
 
 
 def _inputs(n: fx.Node) -> List[fx.Node]:
@@ -129,9 +158,14 @@ def _region(y: fx.Node):
         n = todo.pop()
         if n in region:
             continue
+        w = _width(n)
+        if n.op in ("placeholder", "get_attr"):  # a weight, or the token input itself (a graph that starts there)
+            if not isinstance(node_val(n), torch.nn.Parameter) and w is not None and w < wide \
+                    and _same_tokens(n, y):
+                xs.add(n)
+            continue
         if n.op != "call_function" and n.op != "call_method":
             refuse(f"{n} ({n.op}) is read as a token tensor of the wide region")
-        w = _width(n)
         if w is not None and w < wide and _same_tokens(n, y) and not isinstance(node_val(n), torch.nn.Parameter):
             xs.add(n)  # the narrower token tensor the region starts from
             continue
@@ -140,13 +174,19 @@ def _region(y: fx.Node):
         if not _allowed(n):
             refuse(f"{n} ({getattr(n.target, '__name__', n.target)}) is not a token-wise op this pass knows")
         region.add(n)
-        for a in _inputs(n):
-            if a.op in ("placeholder", "get_attr"):
-                continue
-            todo.append(a)
-    if len(xs) != 1:
-        raise _Refused(f"the wide region reads {len(xs)} narrower token tensors ({sorted(map(str, xs))}), not one")
-    x = xs.pop()
+        todo.extend(_inputs(n))
+    # unpad_tokens squeezes the packed row [1, N, D] before each projection: the region starts at the row itself
+    roots = set()
+    for n in xs:
+        while _leading_one(n) and op_kind(n) == "squeeze" and isinstance(n.args[0], fx.Node) \
+                and _width(n.args[0]) == _width(n) and _same_tokens(n.args[0], n):
+            region.add(n)
+            n = n.args[0]
+        roots.add(n)
+    if len(roots) != 1:
+        raise _Refused(f"the wide region reads {len(roots)} narrower token tensors ({sorted(map(str, roots))}), not "
+                       "one")
+    x = roots.pop()
     order = {n: i for i, n in enumerate(y.graph.nodes)}
     nodes = sorted(region, key=order.__getitem__)
     params: List[fx.Node] = []
@@ -159,6 +199,9 @@ def _region(y: fx.Node):
             if a not in region and a is not x and a not in params:
                 if a.op not in ("placeholder", "get_attr"):
                     raise _Refused(f"{n} reads {a}, computed in the graph and not the region's token input")
+                if _has_token_dim(a, x):
+                    raise _Refused(f"{n} reads {a}, an input with a dimension the size of the tokens: chunks of "
+                                   f"{x} would not match it")
                 params.append(a)
     return x, nodes, params
 
@@ -169,6 +212,9 @@ def _body(x: fx.Node, nodes: List[fx.Node], params: List[fx.Node]) -> fx.GraphMo
     for i, p in enumerate(params):
         env[p] = g.placeholder(f"p{i}")
     for n in nodes:
+        if _leading_one(n):  # the body works on [tokens, features] chunks: no leading 1 to add or drop
+            env[n] = env[n.args[0]]
+            continue
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(env[nodes[-1]])
     return fx.GraphModule(torch.nn.Module(), g)
@@ -180,10 +226,25 @@ def _tokens_hint(x: fx.Node) -> int:
     n = 1
     for d in node_val(x).shape[:-1]:
         if isinstance(d, torch.SymInt):
-            hint = d.node.hint if d.node.has_hint() else None
-            d = hint if hint is not None else torch._inductor.config.unbacked_symint_fallback
+            d = d.node.hint if d.node.has_hint() else _upper_bound(d)
         n *= int(d)
     return n
+
+
+def _upper_bound(d: torch.SymInt) -> int:
+    """An unbacked size's upper bound where the shape environment knows one (unpad_tokens' kept-token count is at
+    most the padded batch's B x S, by ``nonzero``), else Inductor's fallback."""
+    try:
+        env = d.node.shape_env
+        upper = env.bound_sympy(d.node.expr).upper
+        if upper.is_number and upper.is_finite:
+            return int(upper)
+        hinted = env.size_hint(upper, allow_none=True)  # a bound in backed sizes (B * S)
+        if hinted is not None:
+            return int(hinted)
+    except Exception:  # noqa: BLE001  (no bound: the fallback)
+        pass
+    return torch._inductor.config.unbacked_symint_fallback
 
 
 def _device_memory(x: fx.Node) -> Optional[int]:
@@ -225,6 +286,10 @@ def sequence_tiling_pass(gm: fx.GraphModule, ctx) -> int:
                 ctx.skipped(y, "tile a token-wise region over chunks of tokens", str(e))
                 continue
             if region is not None:
+                if region[0] in claimed:  # its input is another region's output: that one is tiled, this not
+                    ctx.skipped(y, "tile a token-wise region over chunks of tokens",
+                                f"its input {region[0]} is the output of a region tiled already")
+                    continue
                 claimed.update(region[1])
                 found.append((m, y) + region)
     if not found:
@@ -252,6 +317,8 @@ def sequence_tiling_pass(gm: fx.GraphModule, ctx) -> int:
         g = m.graph
         key = register_body(_body(x, nodes, params))
         with g.inserting_before(y):
+            if node_val(x).dim() > node_val(y).dim():  # unpad_tokens' [1, N, D] row, projected as [N, D]
+                x = g.call_method("squeeze", (x, 0))
             t = g.call_function(_TILED, (x, list(params), key, chunk))
         t.meta.update({k: v for k, v in y.meta.items() if k in ("val", "example_value", "stack_trace",
                                                                  "nn_module_stack", "source_fn_stack")})

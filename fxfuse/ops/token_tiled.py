@@ -34,6 +34,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from ..autocast import register_autocast_casts
+
 __all__ = ["register_body", "token_tiled", "OP_NAME", "BACKWARD_OP_NAME"]
 
 OP_NAME = "fxfuse::token_tiled"
@@ -98,7 +100,7 @@ def _backward_impl(grad: Tensor, x: Tensor, params: List[Tensor], body_key: int,
     body = _body(body_key)
     x2, g2 = _flat(x), grad.reshape(-1, grad.shape[-1])
     n = x2.shape[0]
-    gx = torch.empty_like(x2)
+    gx = x2.new_empty(x2.shape)  # contiguous, as the fake impl says (empty_like would copy a permuted x's strides)
     # fp32 accumulators for the parameters' gradients across chunks (bf16 sums of many chunks lose digits)
     acc = [torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) if need else None
            for p, need in zip(params, needs_grad)]
@@ -116,13 +118,14 @@ def _backward_impl(grad: Tensor, x: Tensor, params: List[Tensor], body_key: int,
                     if grads[k] is not None:
                         a += grads[k]
                     k += 1
-    gparams = [a.to(p.dtype) if a is not None else p.new_empty(0) for a, p in zip(acc, params)]
+    gparams = [a.to(p.dtype).contiguous() if a is not None else p.new_empty(0) for a, p in zip(acc, params)]
     return gx.view(x.shape), gparams
 
 
 def _backward_fake(grad, x, params, body_key, chunk, needs_grad):
-    return torch.empty_like(x), [torch.empty_like(p) if need else p.new_empty(0)
-                                 for p, need in zip(params, needs_grad)]
+    # contiguous, as the real impl's (x may be a permuted view)
+    return x.new_empty(x.shape), [torch.empty_like(p, memory_format=torch.contiguous_format) if need
+                                  else p.new_empty(0) for p, need in zip(params, needs_grad)]
 
 
 for _dev in ("CPU", "CUDA"):
@@ -148,6 +151,10 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd(OP_NAME, _backward, setup_context=_setup_context, lib=_lib)
+# Under autocast the body's projections would run on the autocast dtype; the op runs with autocast off, so it is
+# given its inputs cast as autocast casts a projection's (an MLP body: projections and element-wise ops on their
+# outputs)
+register_autocast_casts("token_tiled", ("x", "params"))
 
 
 def token_tiled(x: Tensor, params: Sequence[Tensor], body: fx.GraphModule, chunk: int) -> Tensor:
