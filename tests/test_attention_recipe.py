@@ -352,3 +352,38 @@ def test_a_document_starting_past_its_token_is_a_dead_query(monkeypatch, impl):
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, want, flagged):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("masked_rows", [0, 1])  # zeros (SDPA), uniform (eager's finfo.min)
+def test_row_pairs_with_more_keys_than_queries(monkeypatch, masked_rows):
+    """The kernels' launch pairs (rows whose keys are all valid run the variant without key flags, the others the
+    flag variant) with Skv != S (causal, bottom-right aligned): full, left-padded, holed and empty rows, dK and dV
+    in one launch and split in two, equal to float64 as the flag variant alone is."""
+    if not HAVE_TRITON or not interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    from fxfuse.attention.backward import attention_bwd_triton
+    from fxfuse.attention.forward import attention_fwd_triton
+
+    g = torch.Generator().manual_seed(9)
+    B, S, Skv = 5, 30, 50
+    q = torch.randn(B, 4, S, 16, generator=g)
+    k, v = (torch.randn(B, 2, Skv, 16, generator=g) for _ in range(2))
+    do = torch.randn(B, 4, S, 16, generator=g)
+    valid = torch.ones(B, Skv, dtype=torch.bool)  # rows 0 and 4: no padding
+    valid[1, :23] = False
+    valid[2, 40:] = False
+    valid[2, 5:9] = False
+    valid[3] = False
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = attention_reference(q64, k64, v64, scaling=0.3, causal=True, masked_rows=masked_rows, key_valid=valid)
+    want = [ref, *torch.autograd.grad(ref, (q64, k64, v64), do.double())]
+    for pairs in (True, False):
+        monkeypatch.setattr(launching, "ROW_PAIRS", pairs)
+        for split in (0, 1):
+            cfg = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1, split), "dq": (16, 16, 4, 1)}
+            out, lse = attention_fwd_triton(q, k, v, None, 0.3, 0.0, True, 0, config=cfg, masked_rows=masked_rows,
+                                            key_valid=valid)
+            grads = attention_bwd_triton(do, q, k, v, None, out, lse, 0.3, 0.0, True, 0, config=cfg,
+                                         masked_rows=masked_rows, key_valid=valid)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
+                torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=f"{pairs} {split} {name}")
