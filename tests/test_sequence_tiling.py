@@ -276,3 +276,35 @@ def test_a_permuted_input_gets_contiguous_gradients_under_inductor():
     assert torch.allclose(got, want, rtol=1e-4)
     for a, b in zip(gg, gw):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_back_to_back_regions_tile_the_first_and_say_why_not_the_second():
+    """Two MLPs in a row, the second reading the first's output directly: the first is tiled, the second is left
+    as it was (its input is a region's output), with the reason; values and gradients as eager."""
+    def block():
+        return torch.nn.ModuleList([torch.nn.Linear(8, 24, bias=False), torch.nn.Linear(8, 24, bias=False),
+                                    torch.nn.Linear(24, 8, bias=False)])
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = block(), block()
+
+        def forward(self, x):
+            for g, u, d in (self.a, self.b):
+                x = d(F.silu(g(x)) * u(x))
+            return x.square().sum()
+
+    torch.manual_seed(0)
+    model, x = Two(), torch.randn(30, 8)
+    want = model(x)
+    gw = torch.autograd.grad(want, list(model.parameters()))
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", **TILE})(x)
+    gg = torch.autograd.grad(got, list(model.parameters()))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(_tiled_records()) == 1, str(fxfuse.report())
+    assert "output of a region tiled already" in _tiled_records("skipped")[0].reason, str(fxfuse.report())
