@@ -87,4 +87,8 @@ def offload_patches(device: str, min_bytes: int, inductor_patches: Dict[str, Any
     if device == "cuda":
         functorch.update(activation_offload_separate_stream=True, activation_offload_sink_wait=True,
                          activation_reload_prefetch=True)
-    return inductor, functorch
+    # the stream / prefetch settings came after the first version of the feature (torch PRs 167880, 177621):
+    # set the ones this torch has
+    import torch._functorch.config as fc
+
+    return inductor, {k: v for k, v in functorch.items() if hasattr(fc, k)}
