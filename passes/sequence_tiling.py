@@ -3,7 +3,7 @@ input (issue 32; the op: ``fxfuse/ops/token_tiled.py``).
 
 On by default in ``auto`` mode: a graph's MLPs are tiled when one layer's MLP intermediates and their gradients
 (about six ``[tokens, intermediate]`` tensors at the compile's example length) would take more than
-``share_pct`` (5) percent of the memory budget (the GPU's memory, or ``memory_budget`` bytes); the report says
+``share_pct`` (25) percent of the memory budget (the GPU's memory, or ``memory_budget`` bytes); the report says
 what it predicted and against what. ``mode="always"`` tiles every region; ``options={"passes":
 {"sequence_tiling": False}}`` turns it off; ``chunk_tokens`` (8192) sets the chunk. On a CPU without a budget
 auto mode does nothing. Measured (H200, Llama-3.1-8B widths x8 layers, LoRA r16, HF checkpointing, 256k tokens):
@@ -264,7 +264,7 @@ def _device_memory(x: fx.Node) -> Optional[int]:
                                  "doc": "auto: tile where one layer's MLP intermediates (and their gradients) "
                                         "would take more than share_pct of the memory budget; always: every "
                                         "region"},
-                        "share_pct": {"type": int, "minimum": 0, "default": 5,
+                        "share_pct": {"type": int, "minimum": 0, "default": 25,
                                       "doc": "auto mode's threshold, percent of the memory budget"},
                         "memory_budget": {"type": int, "minimum": 0, "default": 0,
                                           "doc": "bytes auto mode measures against (0: the GPU's memory; on a "

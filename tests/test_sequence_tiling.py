@@ -166,14 +166,14 @@ def test_saved_activations_lose_the_mlp_intermediates_and_lengths_do_not_recompi
 
 
 def test_auto_mode_tiles_only_what_would_take_a_large_share_of_the_budget():
-    """Auto mode (the default): with a memory budget the MLPs' intermediates would take more than 5% of, every
+    """Auto mode (the default): with a memory budget the MLPs' intermediates would take more than 25% of, every
     MLP is tiled (the report holds the prediction); with a budget they fit in, none, and the report says why; on
     a CPU without a budget, nothing and nothing said."""
     model = tiny_causal_lm("llama", attn_implementation="sdpa")
     ids = torch.randint(4, 128, (2, 20), generator=torch.Generator().manual_seed(4))
     batch = dict(input_ids=ids, labels=ids.clone())
     need = 6 * 40 * model.config.intermediate_size * 4  # 40 tokens, fp32
-    for budget, tiled in ((need * 10, True), (need * 100, False), (0, False)):
+    for budget, tiled in ((need * 2, True), (need * 100, False), (0, False)):
         fxfuse.clear_reports()
         torch._dynamo.reset()
         opts = {"pass_options": {"sequence_tiling": {"memory_budget": budget}}} if budget else {}
@@ -183,7 +183,7 @@ def test_auto_mode_tiles_only_what_would_take_a_large_share_of_the_budget():
         if tiled:
             assert rec[0].detail["predicted_bytes"] == need and rec[0].detail["mode"] == "auto"
         elif budget:
-            assert "not needed" in skipped[0].reason and "within 5%" in skipped[0].reason, skipped[0].reason
+            assert "not needed" in skipped[0].reason and "within 25%" in skipped[0].reason, skipped[0].reason
         else:
             assert not skipped, str(fxfuse.report())
 
