@@ -100,4 +100,3 @@ def _data_dependent_size_patches(gm: fx.GraphModule, patches: Dict[str, Any]) ->
                                                  for n in m.graph.nodes if n.op == "call_function"):
             return {key: 16}
     return {}
-

@@ -19,6 +19,7 @@ from typing import Any, Dict
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 __all__ = ["offload_patches", "MarkSavedActivations", "available"]
 
@@ -40,49 +41,32 @@ def _bytes(v) -> int:
     return n * v.element_size()
 
 
-class MarkSavedActivations:
-    """Inductor joint-graph pass: mark the forward nodes whose output holds at least ``min_bytes`` as offloadable
-    (``should_offload``); the partitioner offloads those it saves. Chains a user's own joint pass first."""
+class MarkSavedActivations(CustomGraphPass):
+    """Inductor joint-graph pass: mark the nodes whose output holds at least ``min_bytes`` as offloadable
+    (``should_offload``); the partitioner offloads those of them the forward saves. Chains a user's own joint pass
+    first; its uuid (Inductor's and AOTAutograd's cache keys) carries the threshold and the user's pass's."""
 
     def __init__(self, min_bytes: int = DEFAULT_MIN_BYTES, existing=None):
-        self.min_bytes, self.existing, self.marked = min_bytes, existing, []
+        self.min_bytes, self.existing = min_bytes, existing
 
     def __call__(self, graph: fx.Graph) -> None:
         if self.existing is not None:
             self.existing(graph)
         for n in graph.nodes:
             v = n.meta.get("val")
-            if n.op != "call_function" or not isinstance(v, torch.Tensor) or not v.is_floating_point():
-                continue
-            if n.meta.get("partitioner_tag") == "is_backward" or _bytes(v) < self.min_bytes:
-                continue
-            n.meta["should_offload"] = True
-            self.marked.append(n.name)
+            if n.op == "call_function" and isinstance(v, torch.Tensor) and v.is_floating_point() \
+                    and _bytes(v) >= self.min_bytes:
+                n.meta["should_offload"] = True
 
     def uuid(self):
         inner = self.existing.uuid() if hasattr(self.existing, "uuid") else None
         return ("fxfuse.offload", self.min_bytes, inner)
 
 
-def _as_custom_pass(p: MarkSavedActivations):
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    class _Pass(CustomGraphPass):
-        def __call__(self, graph):
-            p(graph)
-
-        def uuid(self):
-            return p.uuid()
-
-    out = _Pass()
-    out.marker = p
-    return out
-
-
 def offload_patches(device: str, min_bytes: int, inductor_patches: Dict[str, Any]):
     """(Inductor config patches, functorch config patches) that offload saved activations."""
     existing = inductor_patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass)
-    inductor = {"joint_custom_post_pass": _as_custom_pass(MarkSavedActivations(min_bytes, existing))}
+    inductor = {"joint_custom_post_pass": MarkSavedActivations(min_bytes, existing)}
     functorch = {"enable_activation_offloading": True}
     if device == "cuda":
         functorch.update(activation_offload_separate_stream=True, activation_offload_sink_wait=True,

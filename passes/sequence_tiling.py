@@ -47,8 +47,7 @@ _ELEMENTWISE_KINDS = {"mul", "add", "sub", "div", "neg", "tanh", "exp", "cast", 
 # unpad_tokens runs each projection of its packed row [1, N, D] as a 2-D matmul between squeeze(0) / unsqueeze(0):
 # inside a body on [tokens, features] chunks those pairs act on the leading size-1 dimension only
 _LEADING_ONE = {"squeeze", "unsqueeze"}
-_ACTIVATIONS = {F.silu, F.gelu, F.relu, torch.sigmoid, torch.relu, torch.tanh, F.sigmoid if hasattr(F, "sigmoid")
-                else torch.sigmoid, torch.nn.functional.mish, torch.nn.functional.hardswish}
+_ACTIVATIONS = {F.silu, F.gelu, F.relu, F.sigmoid, F.mish, F.hardswish, torch.sigmoid, torch.relu, torch.tanh}
 _ACTIVATION_METHODS = {"sigmoid", "relu", "tanh"}
 
 
@@ -80,7 +79,7 @@ def _allowed(n: fx.Node) -> bool:
     if n.op == "call_method" and n.target in _ACTIVATION_METHODS:
         return True
     if op_kind(n) in _LEADING_ONE:
-        return tuple(n.args[1:]) == (0,) and not n.kwargs
+        return _leading_one(n)
     return op_kind(n) in _ELEMENTWISE_KINDS or op_kind(n) == "linear"
 
 
@@ -159,16 +158,13 @@ def _region(y: fx.Node):
         if n in region:
             continue
         w = _width(n)
-        if n.op in ("placeholder", "get_attr"):  # a weight, or the token input itself (a graph that starts there)
-            if not isinstance(node_val(n), torch.nn.Parameter) and w is not None and w < wide \
-                    and _same_tokens(n, y):
-                xs.add(n)
+        if w is not None and w < wide and _same_tokens(n, y) and not isinstance(node_val(n), torch.nn.Parameter):
+            xs.add(n)  # the narrower token tensor the region starts from (a graph input where the graph starts)
+            continue
+        if n.op in ("placeholder", "get_attr"):  # a weight
             continue
         if n.op != "call_function" and n.op != "call_method":
             refuse(f"{n} ({n.op}) is read as a token tensor of the wide region")
-        if w is not None and w < wide and _same_tokens(n, y) and not isinstance(node_val(n), torch.nn.Parameter):
-            xs.add(n)  # the narrower token tensor the region starts from
-            continue
         if w is not None and w > wide:
             raise _NotARegion  # wider still: h is not the widest tensor of a region (a residual stream)
         if not _allowed(n):

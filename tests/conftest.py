@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-init HF models built in-process (nothing is downloaded) and compile helpers."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Inductor's on-disk caches would skip the passes on a hit (and can serve code compiled against an older op
@@ -114,6 +115,21 @@ def skipped_sites(pass_name, rep=None):
 
     rep = rep or fxfuse.report()
     return [r for r in rep.skipped if r.pass_name == pass_name]
+
+
+@contextlib.contextmanager
+def saved_activation_bytes():
+    """Inside the block, count the bytes autograd saves for the backward (saved-tensor hooks), parameters not
+    counted; yields a one-element list that holds the total when the block ends."""
+    total = [0]
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter):
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
 
 
 def grads_of(model):

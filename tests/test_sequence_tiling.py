@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import fxfuse
 from fxfuse.ops.token_tiled import token_tiled
 
-from conftest import tiny_causal_lm
+from conftest import saved_activation_bytes, tiny_causal_lm
 
 TILE = {"pass_options": {"sequence_tiling": {"chunk_tokens": 7, "mode": "always"}}}
 
@@ -143,14 +143,7 @@ def test_saved_activations_lose_the_mlp_intermediates_and_lengths_do_not_recompi
         total = 0
         for n in lengths:
             ids = torch.randint(4, 128, (1, n), generator=torch.Generator().manual_seed(n))
-            sizes = [0]
-
-            def pack(t):
-                if not isinstance(t, torch.nn.Parameter):
-                    sizes[0] += t.numel() * t.element_size()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with saved_activation_bytes() as sizes:
                 out = fn(input_ids=ids, labels=ids.clone(), use_cache=False)
             out.loss.backward()
             model.zero_grad()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fxfuse
-from conftest import tiny_causal_lm
+from conftest import saved_activation_bytes, tiny_causal_lm
 
 pytestmark = pytest.mark.slow  # compiles whole models
 
@@ -251,14 +251,7 @@ def test_saved_activations_of_a_padded_batch_are_those_of_the_packed_one():
         fn = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager",
                                                              "passes": {"unpad_tokens": unpad}})
         fn(**batch, use_cache=False).loss.backward()  # compiles
-        total = [0]
-
-        def pack(t):
-            if not isinstance(t, torch.nn.Parameter):
-                total[0] += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with saved_activation_bytes() as total:
             out = fn(**batch, use_cache=False)
         out.loss.backward()
         model.zero_grad()
