@@ -7,6 +7,8 @@ Impl (argv[1]):
   inductor-regional  torch.compile(layer.forward) per decoder layer          regional, Inductor (torchtitan style)
   fxfuse             torch.compile(model, backend="fxfuse")                 whole model
   fxfuse-regions     fxfuse.compile_regions(model)                          blocks + root code, hooks eager
+  fxfuse-regions-nopass  compile_regions with every fxfuse pass off       the structure alone (Inductor kernels)
+  fxfuse-layer       torch.compile(layer.forward, backend="fxfuse") per layer   inductor-regional's structure
   eager
 
 Run on one GPU (the issue's measurement) or several, from the repository root:
@@ -65,9 +67,10 @@ def main(impl):
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
-    if impl == "inductor-regional":  # compile before sharding, per layer: hooks outside the compiled region
+    if impl in ("inductor-regional", "fxfuse-layer"):  # per layer before sharding: hooks outside the region
+        backend = "fxfuse" if impl == "fxfuse-layer" else "inductor"
         for layer in layers:
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, backend=backend)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if not small else None
     kw = dict(mp_policy=mp) if mp else {}
     for layer in layers:
@@ -82,6 +85,8 @@ def main(impl):
         fwd = torch.compile(model, backend="fxfuse", options={"passes": {"linear_cross_entropy": False}})
     elif impl == "fxfuse-regions":
         fwd = fxfuse.compile_regions(model)
+    elif impl == "fxfuse-regions-nopass":
+        fwd = fxfuse.compile_regions(model, passes=[])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     B, S = (2, 64) if small else (2, int(os.environ.get("FSDP_SEQ", 2048)))
     g = torch.Generator(device=dev).manual_seed(100 + rank)
@@ -104,15 +109,19 @@ def main(impl):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     n = int(os.environ.get("FSDP_STEPS", 8)) if not small else 2
-    t0 = time.perf_counter()
-    for _ in range(n):
+    times = []
+    for _ in range(n):  # one sync a step (the step ends in the optimizer anyway): the median drops an outlier
+        t0 = time.perf_counter()
         loss = step()
+        sync()
+        times.append(time.perf_counter() - t0)
     loss = loss.item()
-    dt = (time.perf_counter() - t0) / n
+    dt = sorted(times)[len(times) // 2]
     row = dict(impl=impl, gpus=dist.get_world_size(), device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
-               first_step_s=round(first, 1), loss0=round(l0, 4), loss_last=round(loss, 4),
+               step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
+               commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora)
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
@@ -122,8 +131,19 @@ def main(impl):
                 step()
             sync()
         if rank == 0:
-            with open(os.path.join(os.environ.get("OUT", "/tmp"), f"profile-{impl}.txt"), "w") as f:
-                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+            import gzip
+            import tempfile
+
+            from benchmarks.trace_summary import summarize
+
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                prof.export_chrome_trace(tmp.name)
+                with open(tmp.name) as f:
+                    trace = json.load(f)
+            row["profile"] = summarize(trace, steps=2)
+            if os.environ.get("FSDP_PROFILE") == "trace":
+                with gzip.open(os.path.join(os.environ.get("OUT", "/tmp"), f"trace-{impl}.json.gz"), "wt") as f:
+                    json.dump(trace, f)
     if impl.startswith("fxfuse"):
         fused = {}
         for r in fxfuse.reports():

@@ -1,0 +1,124 @@
+"""Where a training step's GPU time goes, from a torch.profiler Chrome trace (``prof.export_chrome_trace``).
+
+    python benchmarks/trace_summary.py trace.json[.gz] [--steps N]
+
+Prints (and returns, as a dict) per step: the wall time the trace's kernels span, the time some compute kernel
+runs (the union of the non-NCCL kernels' intervals, any stream), the GPU idle time (neither compute nor NCCL),
+NCCL kernel time and the part of it no compute kernel overlaps (communication that the step waits for, if the
+compute stream waits on it), and the kernel time by kind: matmuls, attention, Triton (Inductor's and fxfuse's
+fused kernels), the optimizer's foreach kernels, copies / casts, NCCL and the rest, with the top kernels by time.
+Kernel names decide the kind (cuBLAS / CUTLASS / nvjet are matmuls, flash / fmha / cudnn / fxfuse's attention
+kernels are attention, ``triton_`` are Inductor's fused kernels, ``ncclDevKernel`` / ``ncclKernel`` NCCL).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "attention", "_fwd_kernel", "_bwd_")),
+    ("lm-head loss", ("_lce_", "_ce_", "_logp", "cross_entropy", "log_softmax", "nll_loss")),
+    ("lora", ("_lora_", "_adapter")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma", "_mm_", "matmul")),
+    ("optimizer", ("multi_tensor", "foreach", "adam")),
+    ("copy/cast", ("copy", "cast", "memcpy", "memset", "fill", "chunk_cat", "split_with_sizes")),
+    ("triton", ("triton",)),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def _union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: List[Tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _uncovered(xs: List[Tuple[float, float]], cover: List[Tuple[float, float]]) -> float:
+    """Length of the union ``xs`` outside the union ``cover`` (both sorted, disjoint)."""
+    total, j = 0.0, 0
+    for a, b in xs:
+        cur = a
+        while j < len(cover) and cover[j][1] <= cur:
+            j += 1
+        k = j
+        while cur < b:
+            if k >= len(cover) or cover[k][0] >= b:
+                total += b - cur
+                break
+            if cover[k][0] > cur:
+                total += cover[k][0] - cur
+            cur = max(cur, cover[k][1])
+            k += 1
+    return total
+
+
+def summarize(trace: Dict, steps: int = 1, top: int = 15) -> Dict:
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel",
+                                                                                                   "gpu_memcpy",
+                                                                                                   "gpu_memset")]
+    if not kernels:
+        return {"error": "no kernel events in the trace"}
+    rank0 = min(e.get("pid") for e in kernels if isinstance(e.get("pid"), int)) if any(
+        isinstance(e.get("pid"), int) for e in kernels) else None
+    kernels = [e for e in kernels if rank0 is None or e.get("pid") == rank0]  # one device
+    iv = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
+    span = max(b for _, b in iv) - min(a for a, _ in iv)
+    nccl = _union([x for x, e in zip(iv, kernels) if kind_of(e["name"]) == "nccl"])
+    compute = _union([x for x, e in zip(iv, kernels) if kind_of(e["name"]) != "nccl"])
+    busy = _union(nccl + compute)
+    by_kind: Dict[str, float] = defaultdict(float)
+    by_name: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+    for (a, b), e in zip(iv, kernels):
+        by_kind[kind_of(e["name"])] += b - a
+        rec = by_name[e["name"][:110]]
+        rec[0] += b - a
+        rec[1] += 1
+    ms = lambda us: round(us / 1e3 / steps, 2)  # noqa: E731  (per step, ms)
+    return {
+        "steps": steps,
+        "span_ms": ms(span),
+        "compute_busy_ms": ms(_length(compute)),
+        "idle_ms": ms(span - _length(busy)),
+        "nccl_ms": ms(_length(nccl)),
+        "nccl_exposed_ms": ms(_uncovered(nccl, compute)),
+        "by_kind_ms": {k: ms(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": n, "ms": ms(v[0]), "calls": int(v[1] / steps), "kind": kind_of(n)}
+                        for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
+
+
+def load(path: str) -> Dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--steps", type=int, default=1)
+    a = ap.parse_args()
+    print(json.dumps(summarize(load(a.trace), a.steps), indent=1))
+
+
+if __name__ == "__main__":
+    main()
