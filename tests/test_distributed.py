@@ -225,7 +225,9 @@ def _kill_tree(pid):
 @pytest.mark.parametrize("case,ops", [
     ("ddp", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2", {"fxfuse::linear_cross_entropy_fwd"}),
-    ("fsdp2_regions", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::softcap_attention"}),
+    # regions: the base model runs eagerly and builds no mask for these unpadded rows, so the blocks run SDPA's
+    # own causal kernels (no fxfuse attention op); the head's loss is fused
+    ("fsdp2_regions", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2_lora", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::lora_linear"}),
 ])
 def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
@@ -239,32 +241,41 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():
+    """Blocks compiled once for all layers (a static then a symbolic-length graph), the base model eager (no mask
+    for an unpadded causal batch: SDPA's causal kernels in the blocks), the lm-head loss fused; a padded batch
+    brings HF's mask tensor, which the blocks' sdpa_attention fuses. Losses and gradients match the eager model."""
     import fxfuse
     from fxfuse.regions import compile_regions, undo_compile_regions
 
     ref = tiny_causal_lm("llama", attn_implementation="sdpa", num_hidden_layers=3)
     m = tiny_causal_lm("llama", attn_implementation="sdpa", num_hidden_layers=3)
     compile_regions(m, compiler="aot_eager")
-    for n in (14, 19, 23):
+    padded = torch.ones(2, 23, dtype=torch.long)
+    padded[1, 17:] = 0
+    for n, mask in ((14, None), (19, None), (23, None), (23, padded)):
         ids = torch.randint(0, 128, (2, n))
+        labels = ids.masked_fill(mask == 0, -100) if mask is not None else ids
         m.zero_grad()
         ref.zero_grad()
-        out = m(input_ids=ids, labels=ids, use_cache=False)
+        out = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()
-        want = ref(input_ids=ids, labels=ids, use_cache=False)
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         want.loss.backward()
         torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
         g0, g1 = grads_of(ref), grads_of(m)
         for k in g0:
             torch.testing.assert_close(g1[k], g0[k], rtol=2e-4, atol=2e-6)
-    reps = fxfuse.reports()
-    blocks = [r for r in reps if any(s.pass_name == "sdpa_attention" for s in r.fused)]
-    heads = [r for r in reps if any(s.pass_name == "linear_cross_entropy" for s in r.fused)]
-    # one static + one symbolic-length graph of the block, shared by the 3 layers; the same for the head
-    assert len(blocks) == 2 and len(heads) == 2, [(r.graph_name, [s.pass_name for s in r.fused]) for r in reps]
-    assert all(len([s for s in r.fused if s.pass_name == "sdpa_attention"]) == 1 for r in blocks)
+        if n == 23 and mask is None:
+            reps = fxfuse.reports()
+            heads = [r for r in reps if any(s.pass_name == "linear_cross_entropy" for s in r.fused)]
+            # one static + one symbolic-length graph of the block, shared by the 3 layers; the same for the head
+            assert len(reps) == 4 and len(heads) == 2, [(r.graph_name, [s.pass_name for s in r.fused]) for r in reps]
+            assert not any(s.pass_name == "sdpa_attention" for r in reps for s in r.fused)  # no mask was built
+    masked = [r for r in fxfuse.reports()[4:] if any(s.pass_name == "sdpa_attention" for s in r.fused)]
+    assert len(masked) == 1, [(r.graph_name, [s.pass_name for s in r.fused]) for r in fxfuse.reports()]
     undo_compile_regions(m)
-    assert "_call_impl" not in m.model.layers[0].__dict__ and not hasattr(m, "_fxfuse_regions")
+    assert "forward" not in m.model.layers[0].__dict__ and "_call_impl" not in m.model.__dict__
+    assert not hasattr(m, "_fxfuse_regions") and "forward" not in m.__dict__
 
 
 def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(tmp_path):
