@@ -2,19 +2,24 @@
 
     torchrun --nproc_per_node 8 examples/hf_trainer_fsdp2.py                 # a tiny random Llama, as a smoke run
     torchrun --nproc_per_node 8 examples/hf_trainer_fsdp2.py --model meta-llama/Llama-3.2-1B --steps 100
+    torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --steps 12 --regions   # random 1B widths
 
 ``fxfuse.install()`` puts fxfuse's passes into Inductor, which ``TrainingArguments(torch_compile=True)`` (accelerate's
 inductor backend) compiles the model with; accelerate applies FSDP2 (``fully_shard`` per decoder layer and root).
 Train with ``use_cache=False`` (set on the config here): HF's KV cache makes each decoder layer's frame recompile
-under FSDP2. ``--no-compile`` runs the same thing eagerly (tests compare the two). On a machine without a GPU it
-runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused passes, whether FSDP2 wrapped it.
+under FSDP2. ``--no-compile`` runs the same thing eagerly (tests compare the two); ``--regions`` compiles with
+``fxfuse.compile_regions(model)`` instead (each decoder layer once, the base model eager, the lm-head loss fused)
+and leaves ``torch_compile`` off; ``--inductor`` is accelerate's plain Inductor compile, for comparison. On a
+machine without a GPU it runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused
+passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory.
 """
 import argparse
 import json
 import os
+import time
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
 
 import fxfuse
 
@@ -23,21 +28,34 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="a model id or path (default: a tiny random Llama)")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--shape", choices=("tiny", "1b"), default="tiny",
+                    help="without --model: a random Llama, tiny or with Llama-3.2-1B widths (2048 tokens a row)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--regions", action="store_true", help="fxfuse.compile_regions instead of torch_compile")
+    ap.add_argument("--inductor", action="store_true", help="torch_compile with Inductor alone (no fxfuse)")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     a = ap.parse_args()
-    if not a.no_compile:
+    trainer_compiles = not (a.no_compile or a.regions)
+    if trainer_compiles and not a.inductor:
         fxfuse.install()  # Inductor now runs fxfuse's passes on every graph it compiles
     torch.manual_seed(0)
     if a.model:
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
         vocab, seq = model.config.vocab_size, 2048
+    elif a.shape == "1b":
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                          tie_word_embeddings=True)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+        vocab, seq = cfg.vocab_size, 2048
     else:
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=256)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         vocab, seq = cfg.vocab_size, 16
     model.config.use_cache = False
+    if a.regions:
+        fxfuse.compile_regions(model)  # before the Trainer: accelerate's fully_shard keeps the compiled forwards
     layer_cls = type(model.model.layers[0]).__name__
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": (t := torch.randint(0, vocab, (seq,), generator=g)), "labels": t.clone()}
@@ -45,11 +63,20 @@ def main():
     args = TrainingArguments(
         output_dir=a.out, per_device_train_batch_size=2, max_steps=a.steps, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        torch_compile=not a.no_compile,  # accelerate's inductor backend, with fxfuse's passes installed
+        torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
         fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls],
                                 "reshard_after_forward": True})
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    times = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StepTimes()])
     trainer.train()
+    steps = [b - a for a, b in zip(times[1:], times[2:])]  # after the first two steps (compiles)
     if int(os.environ.get("RANK", 0)) == 0:
         from torch.distributed.fsdp import FSDPModule
 
@@ -57,7 +84,12 @@ def main():
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "fused": sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}),
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
-            "wrapped": type(trainer.model_wrapped).__name__}), flush=True)
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
+            "tokens_per_s_per_gpu": round(2 * seq / sorted(steps)[len(steps) // 2]) if steps else None,
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+            "mode": "eager" if a.no_compile else "regions" if a.regions else "inductor" if a.inductor else "install",
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}), flush=True)
     # Leave in order: every rank done, the trainer (and the FSDP2 model holding the process group) dropped, then
     # the group destroyed here rather than at interpreter exit, where gloo's teardown can hang.
     import torch.distributed as dist
