@@ -8,6 +8,7 @@ Impl (argv[1]):
   fxfuse             torch.compile(model, backend="fxfuse")                 whole model
   fxfuse-regions     fxfuse.compile_regions(model)                          blocks + root code, hooks eager
   fxfuse-regions-nopass  compile_regions with every fxfuse pass off       the structure alone (Inductor kernels)
+  fxfuse-regions-nolora  compile_regions with the LoRA passes off
   fxfuse-layer       torch.compile(layer.forward, backend="fxfuse") per layer   inductor-regional's structure
   eager
 
@@ -87,6 +88,8 @@ def main(impl):
         fwd = fxfuse.compile_regions(model)
     elif impl == "fxfuse-regions-nopass":
         fwd = fxfuse.compile_regions(model, passes=[])
+    elif impl == "fxfuse-regions-nolora":
+        fwd = fxfuse.compile_regions(model, passes={"lora_linear": False, "lora_horizontal": False})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
     B, S = (2, 64) if small else (2, int(os.environ.get("FSDP_SEQ", 2048)))
     g = torch.Generator(device=dev).manual_seed(100 + rank)

@@ -83,6 +83,8 @@ def main():
         print("RESULT", json.dumps({
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "fused": sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}),
+            "graphs": len(fxfuse.reports()),
+            "rolled_back": [f"{r.pass_name}: {r.reason[:160]}" for rep in fxfuse.reports() for r in rep.rolled_back],
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "wrapped": type(trainer.model_wrapped).__name__,
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
