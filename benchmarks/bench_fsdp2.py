@@ -20,7 +20,7 @@ Rank 0 appends a row (tokens/s per GPU, peak, first-step time, losses, graphs, f
 Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 4096, 14336, 32 / 8 heads, untied
 128256 vocab; default ``1b``), ``FSDP_LAYERS`` (default 16), ``FSDP_SEQ`` (tokens per row, 2 rows per GPU; default
 2048), ``FSDP_LORA=1`` (PEFT LoRA r16 on all seven projections, base weights frozen), ``FSDP_STEPS`` (timed steps,
-default 8). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+default 8), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -85,7 +85,8 @@ def main(impl):
     elif impl == "fxfuse-nolce":
         fwd = torch.compile(model, backend="fxfuse", options={"passes": {"linear_cross_entropy": False}})
     elif impl == "fxfuse-regions":
-        fwd = fxfuse.compile_regions(model)
+        off = [p for p in os.environ.get("FSDP_PASSES_OFF", "").split(",") if p]  # e.g. linear_cross_entropy
+        fwd = fxfuse.compile_regions(model, passes={p: False for p in off}) if off else fxfuse.compile_regions(model)
     elif impl == "fxfuse-regions-nopass":
         fwd = fxfuse.compile_regions(model, passes=[])
     elif impl == "fxfuse-regions-nolora":
@@ -120,7 +121,7 @@ def main(impl):
         times.append(time.perf_counter() - t0)
     loss = loss.item()
     dt = sorted(times)[len(times) // 2]
-    row = dict(impl=impl, gpus=dist.get_world_size(), device=torch.cuda.get_device_name() if dev.type == "cuda" else
+    row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""), gpus=dist.get_world_size(), device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
