@@ -20,7 +20,8 @@ Rank 0 appends a row (tokens/s per GPU, peak, first-step time, losses, graphs, f
 Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 4096, 14336, 32 / 8 heads, untied
 128256 vocab; default ``1b``), ``FSDP_LAYERS`` (default 16), ``FSDP_SEQ`` (tokens per row, 2 rows per GPU; default
 2048), ``FSDP_LORA=1`` (PEFT LoRA r16 on all seven projections, base weights frozen), ``FSDP_STEPS`` (timed steps,
-default 8), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
+length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -92,12 +93,17 @@ def main(impl):
     elif impl == "fxfuse-regions-nolora":
         fwd = fxfuse.compile_regions(model, passes={"lora_linear": False, "lora_horizontal": False})
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
-    B, S = (2, 64) if small else (2, int(os.environ.get("FSDP_SEQ", 2048)))
+    B, S = (2, 64) if small else (int(os.environ.get("FSDP_ROWS", 2)), int(os.environ.get("FSDP_SEQ", 2048)))
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev, generator=g)
+    mask, labels = None, ids
+    if os.environ.get("FSDP_PAD") == "1":  # every row after the first right-padded from 3/4 of its length
+        mask = torch.ones(B, S, dtype=torch.long, device=dev)
+        mask[1:, 3 * S // 4:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
 
     def step():
-        out = fwd(input_ids=ids, labels=ids, use_cache=False)
+        out = fwd(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -126,7 +132,8 @@ def main(impl):
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
-               shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora)
+               shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
+               rows=B, padded=mask is not None)
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
 
