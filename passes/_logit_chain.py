@@ -131,6 +131,10 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
     after, before, tanh = 1.0, 1.0, False  # multipliers nearer the loss than the tanh / nearer the projection
     n = consumer_input
     while True:
+        if n.op == "placeholder":
+            return None, ("the logits are an input of this graph: the lm-head ran in another graph (a graph break at "
+                          "its call, e.g. an FSDP2 unit of its own, as accelerate's [final norm, lm_head] tail unit "
+                          "is), so the loss alone is left to Inductor")
         k = op_kind(n)
         if k == "linear":
             h, w, b = arg(n, "input"), arg(n, "weight"), arg(n, "bias")

@@ -131,6 +131,7 @@ def test_bf16_logits_without_upcast_keep_loss_dtype():
     ("no_projection", "no lm-head projection"),
     ("probability_targets", "probability targets"),
     ("nonconstant_scale", "not a compile-time constant"),
+    ("logits_input", "the logits are an input of this graph"),  # the lm-head in another graph (FSDP2 tail unit)
 ])
 def test_refused_sites_are_reported_with_reason(case, reason):
     h, W, y = _inputs()
@@ -140,6 +141,7 @@ def test_refused_sites_are_reported_with_reason(case, reason):
         "probability_targets": lambda h, W, y: F.cross_entropy(F.linear(h, W),
                                                               F.one_hot(y.clamp_min(0), W.shape[0]).float()),
         "nonconstant_scale": lambda h, W, y: F.cross_entropy(F.linear(h, W) * h.mean(), y),
+        "logits_input": lambda h, W, y: F.cross_entropy(h, y.remainder(h.shape[1])),  # h as the logits
     }
     ref, out, _, _ = _run(fns[case], h, W, y)
     torch.testing.assert_close(out, ref)
