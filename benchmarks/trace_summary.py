@@ -18,9 +18,11 @@ import json
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
-KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins
+KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins; Inductor's generated kernels
+    # (named triton_<kind>_fused_<ops>) are "triton" whatever ops their names list
     ("nccl", ("nccl",)),
-    ("attention", ("flash", "fmha", "cudnn", "attn", "attention", "_fwd_kernel", "_bwd_")),
+    ("triton", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
+    ("attention", ("flash", "fmha", "cudnn", "attn", "attention")),
     ("lm-head loss", ("_lce_", "_ce_", "_logp", "cross_entropy", "log_softmax", "nll_loss")),
     ("lora", ("_lora_", "_adapter")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma", "_mm_", "matmul")),
