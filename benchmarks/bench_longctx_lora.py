@@ -187,7 +187,7 @@ def counting_backend(impl):
         def inner(gm, example_inputs):
             return full(gm, example_inputs, options={"pass_options": {"sequence_tiling": {
                 "mode": "always", "chunk_tokens": int(os.environ.get("TILE_TOKENS", 8192))}}})
-    elif impl == "fxfuse-offload":  # the default (auto tiling) + saved activations in host memory (fxfuse.offload)
+    elif impl == "fxfuse-offload":  # the default (auto tiling) + saved activations in host memory (pass checkpoint_offload)
         from fxfuse.backend import fxfuse as full
 
         def inner(gm, example_inputs):
@@ -209,6 +209,22 @@ def counting_backend(impl):
             stats["compile_s"] += time.perf_counter() - t0
 
     return backend, stats
+
+
+def _host_memory():
+    """Host memory of this process: peak resident set, and the pinned allocator's peak (offloaded activations)."""
+    import resource
+
+    out = {"host_max_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)}
+    try:
+        stats = torch.cuda.host_memory_stats()
+        peak = stats.get("allocated_bytes.current", None) if "allocated_bytes.peak" not in stats else \
+            stats["allocated_bytes.peak"]
+        if peak is not None:
+            out["host_pinned_peak_gib"] = round(peak / 2**30, 2)
+    except Exception:  # a torch without host allocator stats
+        pass
+    return out
 
 
 def fxfuse_summary(row):
@@ -324,6 +340,7 @@ def train(model, fwd, b, steps, lr, dev, row, save_to=None, impl=""):
     if dev == "cuda":
         row["peak_gib"] = max(row.get("peak_first_step_gib", 0), row.get("peak_steady_gib", 0))
         row["reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        row.update(_host_memory())
     del opt
 
 

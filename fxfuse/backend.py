@@ -64,20 +64,12 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
 
         patches.setdefault("trace.enabled", True)
         patches.setdefault("trace.debug_dir", os.path.join(os.path.abspath(manager.debug_dir), "inductor"))
-    functorch_patches: Dict[str, Any] = {}
-    if opts.offload_min_bytes and opts.compiler == "inductor":  # saved activations to host memory (fxfuse.offload)
-        from .offload import offload_patches
-
-        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-        more, functorch_patches = offload_patches("cuda" if cuda else "cpu", opts.offload_min_bytes, patches)
-        patches.update(more)
     if opts.compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
         compiled = aot_eager(gm, example_inputs)
     else:
-        with torch._functorch.config.patch(functorch_patches):
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return wrap_site_errors(wrap_substitutions(compiled, subs), sites, gm)
 
 

@@ -35,14 +35,15 @@ FXFUSE_KEYS = {
     "pass_options": "dict {pass name: {option: value}} handed to the passes (see each pass's docstring)",
     "compiler": "what lowers the rewritten graph: 'inductor' (default) or 'aot_eager' (AOTAutograd, eager "
                 "kernels: for debugging passes and fast tests)",
-    "offload_activations": "bool, or an int (bytes): keep the activations the forward saves for the backward (the "
-                           "checkpointed layer inputs under gradient checkpointing) in host memory, those of at "
-                           "least that many bytes (True: 16 MiB); reloaded ahead of their use (fxfuse.offload)",
+    "offload_activations": "bool, or an int (bytes): keep the inputs of checkpointed regions (each layer's input under "
+                           "gradient checkpointing) of at least that many bytes (True: 16 MiB) in pinned host "
+                           "memory between the forward and the recompute (pass checkpoint_offload)",
     "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
 }
 COMPILERS = ("inductor", "aot_eager")
+DEFAULT_OFFLOAD_MIN_BYTES = 16 * 2**20  # offload_activations=True: region inputs of at least 16 MiB
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
@@ -174,21 +175,12 @@ class FxFuseOptions:
         pass_options = _check_pass_options(ours.get("pass_options"), known)
         offload = ours.get("offload_activations", False)
         if offload is True:
-            from .offload import DEFAULT_MIN_BYTES
-
-            offload = DEFAULT_MIN_BYTES
+            offload = DEFAULT_OFFLOAD_MIN_BYTES
         elif offload is False or offload is None:
             offload = 0
         elif isinstance(offload, bool) or not isinstance(offload, int) or offload < 1:
             raise FxFuseOptionsError(f"options['offload_activations'] must be True, False or a number of bytes "
                                      f">= 1, got {_kind(offload)}")
-        if offload:
-            from .offload import available
-
-            if not available():
-                raise FxFuseOptionsError(f"options['offload_activations']: torch {torch.__version__} has no "
-                                         "activation offloading in AOTAutograd "
-                                         "(torch._functorch.config.enable_activation_offloading)")
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload)
 

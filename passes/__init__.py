@@ -27,7 +27,9 @@ PASS_ORDER = (
     # Last: it needs the attention sites read as key padding and the lm-head loss fused.
     "unpad_tokens",         # padded batch -> its real tokens as one packed row
     # After every fusion: it wraps what is left of a layer's MLP (LoRA ops included) as one opaque op.
-    "sequence_tiling",      # token-wise wide regions over chunks of tokens (off by default)
+    "sequence_tiling",      # token-wise wide regions over chunks of tokens (auto: when a layer's MLP would not fit)
+    # Last: it changes what checkpointed regions receive, after every pass that reads or rewrites their bodies.
+    "checkpoint_offload",   # checkpointed regions' inputs in host memory (only with offload_activations)
 )
 
 PASSES = load_pass_package(__name__, order=PASS_ORDER)

@@ -1,57 +1,106 @@
-"""``options={"offload_activations": ...}`` (issue 32): the activations the forward saves for the backward go to host
-memory and come back in the backward (torch's AOTAutograd offloading, on the nodes fxfuse marks).
+"""``options={"offload_activations": ...}`` (issue 32, ``passes/checkpoint_offload.py``): under gradient
+checkpointing each checkpointed layer's input is handed to its region as a host copy (``fxfuse::to_host``) and
+copied back inside the region (``fxfuse::to_device``).
 
-CPU, Inductor: under HF gradient checkpointing the saved layer inputs are the offloaded ones (the backward graph
-receives them as ``cpu_offload_*`` copies), the loss and every gradient equal eager's;
-the option's values are checked when given."""
+CPU, as users call it (HF's ``gradient_checkpointing_enable``, ``torch.compile(model, backend="fxfuse")``): the
+loss and every gradient equal eager's with the option on, at a new length every call without recompiling; the
+forward saves the host copies (the backward graph's inputs include the ``to_host`` outputs, and no layer input of
+the device... here the CPU, is saved besides); the last region keeps its input; the option's values are checked."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import fxfuse
-from fxfuse.offload import available
+from fxfuse.backend import fxfuse as fxfuse_backend
 
 from conftest import tiny_causal_lm
 
-pytestmark = pytest.mark.slow  # Inductor compiles a model
+pytestmark = pytest.mark.slow  # compiles a model
 
 
-@pytest.mark.skipif(not available(), reason="this torch has no activation offloading in AOTAutograd")
-def test_checkpointed_layer_inputs_go_to_host_memory_and_gradients_stay_eager():
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    names = []
-
-    class Record(CustomGraphPass):  # sees the forward and backward graphs after partitioning
-        def __call__(self, graph):
-            names.extend(n.name for n in graph.nodes)
-
-        def uuid(self):
-            return None
-
-    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+def _checkpointed_model(layers=3):
+    model = tiny_causal_lm("llama", attn_implementation="sdpa", num_hidden_layers=layers)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    ids = torch.randint(4, 128, (1, 24), generator=torch.Generator().manual_seed(0))
-    ref = model(input_ids=ids, labels=ids.clone(), use_cache=False)
-    ref.loss.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return model
+
+
+def _eager_grads(model, ids):
     model.zero_grad()
-    torch._dynamo.reset()
-    hidden = 24 * model.config.hidden_size * 4  # one layer input, fp32
-    fn = torch.compile(model, backend="fxfuse", options={"offload_activations": hidden,
-                                                         "post_grad_custom_post_pass": Record()})
-    out = fn(input_ids=ids, labels=ids.clone(), use_cache=False)
+    out = model(input_ids=ids, labels=ids.clone(), use_cache=False)
     out.loss.backward()
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-6)
-    for n, p in model.named_parameters():
-        assert (p.grad - want[n]).norm() <= 1e-5 * want[n].norm() + 1e-7, n
-    offloaded = {n for n in names if n.startswith("cpu_offload_")}
-    # the embedding output (layer 0's input) and layer 1's input: each decoder layer's checkpointed input, which
-    # the backward graph now receives as its offloaded copy (on a CPU the copies themselves, CPU to CPU, are
-    # no-ops that Inductor removes before its post-grad passes; on CUDA they are the transfers)
-    assert len(offloaded) >= model.config.num_hidden_layers, names
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_checkpointed_layer_inputs_go_to_host_and_gradients_stay_eager(compiler):
+    model = _checkpointed_model()
+    layer_input = model.config.hidden_size * 4  # bytes of one token's hidden state (fp32): any real length passes
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return fxfuse_backend(gm, example_inputs, options={
+            "offload_activations": layer_input, "compiler": compiler})
+
+    fn = torch.compile(model, backend=counting)
+    for n in ((17, 24, 31) if compiler == "aot_eager" else (17, 24)):
+        ids = torch.randint(4, 128, (2, n), generator=torch.Generator().manual_seed(n))
+        ref_loss, ref_grads = _eager_grads(model, ids)
+        out = fn(input_ids=ids, labels=ids.clone(), use_cache=False)
+        out.loss.backward()
+        torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
+        for name, p in model.named_parameters():
+            assert (p.grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm() + 1e-7, name
+        model.zero_grad()
+    assert len(compiles) <= 2, "recompiled as the length changed"  # a static first graph, then one symbolic
+    recs = [r for rep in fxfuse.reports() for r in rep.records if r.pass_name == "checkpoint_offload"]
+    fused = [r for r in recs if r.status == "fused"]
+    kept = [r for r in recs if r.status == "skipped" and "keep_last" in r.reason]
+    # per compiled graph: the first two of the three layers' inputs go to host memory, the last one stays
+    per_graph = len(compiles)
+    assert (len(fused), len(kept)) == (2 * per_graph, per_graph), [(r.status, r.op[:60], r.reason[:60]) for r in recs]
+    assert all(r.saved_bytes and r.saved_bytes >= layer_input for r in fused)
+
+
+def test_what_the_forward_saves_is_the_host_copy():
+    """AOTAutograd's partition: the forward returns the to_host copies as saved values; no to_host input is saved."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+
+    model = _checkpointed_model()
+    saved = []
+
+    def fw(gm, ex):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        saved.extend(a.target if a.op == "call_function" else a.op for a in out.args[0] if isinstance(a, torch.fx.Node))
+        return make_boxed_func(gm.forward)
+
+    def inner(gm, example_inputs):
+        from fxfuse.pass_manager import PassManager
+        from fxfuse.options import FxFuseOptions
+        from torch._guards import detect_fake_mode
+
+        PassManager(FxFuseOptions.parse({"offload_activations": 1})).run(gm, example_inputs,
+                                                                           detect_fake_mode(example_inputs))
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=lambda g, ex: make_boxed_func(g.forward),
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    ids = torch.randint(4, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    out = torch.compile(model, backend=inner)(input_ids=ids, labels=ids.clone(), use_cache=False)
+    out.loss.backward()
+    assert saved.count(torch.ops.fxfuse.to_host.default) == model.config.num_hidden_layers - 1, saved
+
+
+def test_off_by_default_changes_nothing():
+    model = _checkpointed_model(layers=2)
+    ids = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})(
+        input_ids=ids, labels=ids.clone(), use_cache=False).loss.backward()
+    assert not [r for rep in fxfuse.reports() for r in rep.records if r.pass_name == "checkpoint_offload"]
 
 
 @pytest.mark.parametrize("value", [0.5, -1, "yes"])
