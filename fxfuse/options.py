@@ -35,9 +35,10 @@ FXFUSE_KEYS = {
     "pass_options": "dict {pass name: {option: value}} handed to the passes (see each pass's docstring)",
     "compiler": "what lowers the rewritten graph: 'inductor' (default) or 'aot_eager' (AOTAutograd, eager "
                 "kernels: for debugging passes and fast tests)",
-    "offload_activations": "bool, or an int (bytes): keep the inputs of checkpointed regions (each layer's input under "
-                           "gradient checkpointing) of at least that many bytes (True: 16 MiB) in pinned host "
-                           "memory between the forward and the recompute (pass checkpoint_offload)",
+    "offload_activations": "None (default: auto, where the step's predicted peak would not fit the GPU), a bool, or an "
+                           "int (bytes): keep the inputs of checkpointed regions (each layer's input under gradient "
+                           "checkpointing) of at least that many bytes (True: 16 MiB) in pinned host memory between "
+                           "the forward and the recompute (pass checkpoint_offload)",
     "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
@@ -120,7 +121,8 @@ class FxFuseOptions:
     compiler: str = "inductor"
     verify: bool = False
     inductor: Dict[str, Any] = field(default_factory=dict)
-    offload_min_bytes: int = 0  # 0: activations stay on the device
+    offload_min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES  # region inputs at least this large are candidates
+    offload_mode: str = "auto"  # auto (as the predicted peak needs), always, off
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
@@ -173,16 +175,22 @@ class FxFuseOptions:
             debug_dir = os.fspath(debug_dir)
 
         pass_options = _check_pass_options(ours.get("pass_options"), known)
-        offload = ours.get("offload_activations", False)
-        if offload is True:
-            offload = DEFAULT_OFFLOAD_MIN_BYTES
-        elif offload is False or offload is None:
-            offload = 0
-        elif isinstance(offload, bool) or not isinstance(offload, int) or offload < 1:
-            raise FxFuseOptionsError(f"options['offload_activations'] must be True, False or a number of bytes "
-                                     f">= 1, got {_kind(offload)}")
+        offload = ours.get("offload_activations", None)
+        offload_mode, offload_bytes = "always", DEFAULT_OFFLOAD_MIN_BYTES
+        if offload is None:
+            offload_mode = "auto"
+        elif offload is False:
+            offload_mode = "off"
+        elif offload is True:
+            pass
+        elif not isinstance(offload, int) or offload < 1:
+            raise FxFuseOptionsError(f"options['offload_activations'] must be None (auto), True, False or a number "
+                                     f"of bytes >= 1, got {_kind(offload)}")
+        else:
+            offload_bytes = offload
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
-                   pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload)
+                   pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
+                   offload_mode=offload_mode)
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:

@@ -142,7 +142,7 @@ class PassManager:
         o = self.options
         return ("fxfuse", source_hash(), self.can_substitute_outputs, repr(o.passes),
                 repr(sorted((k, sorted(v.items())) for k, v in o.pass_options.items())), o.strict, o.verify,
-                self.debug_dir, tuple(extra))
+                self.debug_dir, o.offload_mode, o.offload_min_bytes, tuple(extra))
 
     def cache_key_pass(self, existing: Any):
         """A no-op Inductor post-grad pass whose ``uuid()`` carries :meth:`uuid`, for the Dynamo backend.

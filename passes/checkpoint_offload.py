@@ -1,4 +1,4 @@
-"""Keep checkpointed regions' inputs in host memory: ``options={"offload_activations": True | bytes}`` (issue 32).
+"""Keep checkpointed regions' inputs in host memory where the step would not fit otherwise (issue 32).
 
 Under gradient checkpointing (HF's ``gradient_checkpointing_enable``, ``torch.utils.checkpoint``) Dynamo gives each
 checkpointed decoder layer as a ``tag_activation_checkpoint(body, x, ...)`` call, and AOTAutograd saves the call's
@@ -7,6 +7,16 @@ layer, 128 GiB for the 32 layers of an 8B model at 512k tokens. This pass hands 
 ``fxfuse::to_host(x)`` instead and converts it back as the body's first op (``fxfuse::to_device``,
 :mod:`fxfuse.ops.host_offload`): what the forward saves is then the pinned host copy, and the recompute starts by
 copying it back. The values and every gradient are unchanged.
+
+When: ``options={"offload_activations": ...}``. By default (``None``, auto mode) only where the step's predicted peak
+would pass ``fill_pct`` (90) percent of the memory budget (the GPU's memory, or the pass option ``memory_budget``
+bytes), and then only as many regions as the prediction needs, the earliest first (their inputs come back last);
+at lengths that fit nothing changes, and on a CPU without a budget auto mode does nothing. The prediction, from
+the graph at the compile's example length: its inputs (weights, and for trainable ones their gradient and two
+optimizer moments), every region's input (the checkpoints), and one layer's recompute and backward, ``work_factor``
+(16) times the largest region input (measured 110.4 GiB at 256k x32 layers for 15 + 64 + 32 predicted).
+``True`` or a size in bytes offloads every region that qualifies; ``False`` none. The report gives the prediction
+and the budget at every decision.
 
 Which inputs: floating tensors computed in the graph (not its inputs: parameters and the caller's tensors live on
 anyway) of at least the option's bytes (``True``: 16 MiB) that nothing but the region reads (a tensor read elsewhere stays on the GPU anyway: offloading it would only add copies; shared tensors such
@@ -26,20 +36,13 @@ import fxfuse.ops.host_offload  # noqa: F401  (registers torch.ops.fxfuse.to_hos
 from fxfuse.graph_utils import node_val
 from fxfuse.registry import register_pass
 
+from ._memory import device_memory, nbytes
+
 NAME = "checkpoint_offload"
 
 
 def _is_checkpoint(n: fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "__name__", "") == "tag_activation_checkpoint"
-
-
-def _nbytes(v: torch.Tensor) -> int:
-    n = v.numel()
-    try:
-        n = int(n.node.hint) if isinstance(n, torch.SymInt) and n.node.has_hint() else int(n)
-    except Exception:  # an unbacked size without a hint: large enough to matter
-        return 2**62
-    return n * v.element_size()
 
 
 def _fake_like(ctx, v: torch.Tensor, device) -> torch.Tensor:
@@ -52,64 +55,134 @@ def _set_val(n: fx.Node, v: torch.Tensor) -> None:
     n.meta["example_value"] = v
 
 
-@register_pass(name=NAME,
-               description="checkpointed regions' inputs kept in pinned host memory between the forward and the "
-                           "recompute (offload_activations)",
-               options={"keep_last": {"type": int, "minimum": 0, "default": 1,
-                                      "doc": "the last regions whose inputs stay on the device (needed first in "
-                                             "the backward)"}})
-def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
-    min_bytes = ctx.options.offload_min_bytes
-    if not min_bytes:
-        return 0
-    g = gm.graph
-    calls = [n for n in g.nodes if _is_checkpoint(n)]
-    keep = ctx.int_option("keep_last", 1)
-    count = 0
-    for i, call in enumerate(calls):
-        if i >= len(calls) - keep:
-            ctx.skipped(call, "keep a checkpointed region's input in host memory",
-                        f"one of the last {keep} regions (keep_last): the backward needs its input first")
-            continue
+_WHAT = "keep a checkpointed region's input in host memory"
+
+
+def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
+    """[(call, body, operand index, x)] for every region input that qualifies, regions in graph order; the bytes of
+    every region input (the checkpoints, qualifying or not) and the largest; [(call, why)] for the refused."""
+    out, refused, ckpt_bytes, largest = [], [], 0, 0
+    seen = set()
+    for call in [n for n in gm.graph.nodes if _is_checkpoint(n)]:
         body_ref = call.args[0]
         body = getattr(gm, body_ref.target, None) if isinstance(body_ref, fx.Node) and body_ref.op == "get_attr" \
             else None
         if not isinstance(body, fx.GraphModule):
             continue
         phs = [p for p in body.graph.nodes if p.op == "placeholder"]
-        operands = list(call.args[1:])
-        if len(phs) != len(operands):
-            ctx.skipped(call, "keep a checkpointed region's input in host memory",
-                        "the region's operands do not match its body's inputs")
+        if len(phs) != len(call.args) - 1:
+            refused.append((call, "the region's operands do not match its body's inputs"))
             continue
-        changed = False
-        for j, x in enumerate(operands):
+        for j, x in enumerate(call.args[1:]):
             v = node_val(x) if isinstance(x, fx.Node) else None
-            if not isinstance(v, torch.Tensor) or not v.is_floating_point() or _nbytes(v) < min_bytes:
-                continue
-            if x.op != "call_function":  # graph inputs (parameters, buffers, the caller's tensors) live on anyway
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point() or x.op != "call_function":
+                continue  # graph inputs (parameters, buffers, the caller's tensors) live on anyway
+            if x not in seen:
+                seen.add(x)
+                ckpt_bytes += nbytes(v)
+                largest = max(largest, nbytes(v))
+            if nbytes(v) < min_bytes:
                 continue
             if set(x.users) != {call}:
-                ctx.skipped(call, "keep a checkpointed region's input in host memory",
-                            f"{x.name} {list(v.shape)} is read outside the region too (it stays on the device)")
+                refused.append((call, f"{x.name} {list(v.shape)} is read outside the region too (it stays on the "
+                                      "device)"))
                 continue
-            with g.inserting_before(call):
-                h = g.call_function(torch.ops.fxfuse.to_host.default, (x,))
-            _set_val(h, _fake_like(ctx, v, "cpu"))
-            operands[j] = h
-            p = phs[j]
-            with body.graph.inserting_after(phs[-1]):
-                back = body.graph.call_function(torch.ops.fxfuse.to_device.default, (p, v.device))
-            p.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
-            _set_val(back, node_val(p) if isinstance(node_val(p), torch.Tensor) else v)
-            _set_val(p, _fake_like(ctx, v, "cpu"))
-            ctx.fused(call, f"checkpointed region input {x.name} {[str(s) for s in v.shape]} kept in host memory "
-                      "between the forward and the recompute", saved_bytes=_nbytes(v), device=str(v.device))
-            changed = True
-            count += 1
-        if changed:
-            call.args = (call.args[0], *operands)
-            body.recompile()
-    if count:
+            out.append((call, body, j, x))
+    return out, refused, ckpt_bytes, largest
+
+
+def _predicted_peak(gm: fx.GraphModule, ckpt_bytes: int, largest: int, work_factor: int) -> int:
+    """The step's peak as the module docstring says: graph inputs (+3x for trainable ones), checkpoints, and one
+    layer's recompute and backward (work_factor x the largest region input)."""
+    inputs = 0
+    for p in gm.graph.nodes:
+        v = node_val(p) if p.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            inputs += nbytes(v) * (4 if v.requires_grad and v.is_leaf else 1)
+    return inputs + ckpt_bytes + work_factor * largest
+
+
+def _offload(gm: fx.GraphModule, ctx, call: fx.Node, body: fx.GraphModule, j: int, x: fx.Node, **detail) -> None:
+    g = gm.graph
+    v = node_val(x)
+    with g.inserting_before(call):
+        h = g.call_function(torch.ops.fxfuse.to_host.default, (x,))
+    _set_val(h, _fake_like(ctx, v, "cpu"))
+    call.args = tuple(h if i == j + 1 else a for i, a in enumerate(call.args))
+    p = [q for q in body.graph.nodes if q.op == "placeholder"][j]
+    phs_last = [q for q in body.graph.nodes if q.op == "placeholder"][-1]
+    with body.graph.inserting_after(phs_last):
+        back = body.graph.call_function(torch.ops.fxfuse.to_device.default, (p, v.device))
+    p.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+    _set_val(back, node_val(p) if isinstance(node_val(p), torch.Tensor) else v)
+    _set_val(p, _fake_like(ctx, v, "cpu"))
+    body.recompile()
+    ctx.fused(call, f"checkpointed region input {x.name} {[str(s) for s in v.shape]} kept in host memory between "
+              "the forward and the recompute", saved_bytes=nbytes(v), device=str(v.device), **detail)
+
+
+@register_pass(name=NAME,
+               description="checkpointed regions' inputs kept in pinned host memory between the forward and the "
+                           "recompute, where the step would not fit otherwise (offload_activations)",
+               options={"min_bytes": {"type": int, "minimum": 0, "default": 0,
+                                      "doc": "region inputs smaller than this stay (0: offload_activations' size, "
+                                             "16 MiB by default)"},
+                        "keep_last": {"type": int, "minimum": 0, "default": 1,
+                                      "doc": "the last regions whose inputs stay on the device (needed first in "
+                                             "the backward)"},
+                        "fill_pct": {"type": int, "minimum": 1, "default": 90,
+                                     "doc": "auto mode offloads where the predicted peak passes this percent of "
+                                            "the memory budget"},
+                        "memory_budget": {"type": int, "minimum": 0, "default": 0,
+                                          "doc": "bytes auto mode measures against (0: the GPU's memory; on a CPU, "
+                                                 "auto mode then offloads nothing)"},
+                        "work_factor": {"type": int, "minimum": 0, "default": 16,
+                                        "doc": "one layer's recompute + backward, in region inputs (prediction)"}})
+def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
+    mode = ctx.options.offload_mode
+    if mode == "off":
+        return 0
+    min_bytes = ctx.int_option("min_bytes", None, 0, "bytes") or ctx.options.offload_min_bytes
+    cands, refused, ckpt_bytes, largest = _candidates(gm, ctx, min_bytes)
+    if not cands and not refused:
+        return 0
+    detail = {}
+    if mode == "auto":
+        first = (cands[0][3] if cands else refused[0][0])
+        budget = ctx.int_option("memory_budget", None, 0, "bytes") or device_memory(first)
+        if budget is None:  # a CPU graph and no budget given: nothing to measure against, nothing said
+            return 0
+        predicted = _predicted_peak(gm, ckpt_bytes, largest, ctx.int_option("work_factor", None, 0, "inputs"))
+        limit = budget * ctx.int_option("fill_pct", None, 1, "percent") // 100
+        detail = dict(predicted_bytes=predicted, budget_bytes=budget, limit_bytes=limit)
+        if predicted <= limit:
+            ctx.skipped(first, _WHAT, f"not needed: the step's predicted peak, {predicted / 2**30:.1f} GiB, is within "
+                        f"{limit / 2**30:.1f} GiB ({limit * 100 // budget}% of the budget)", **detail)
+            return 0
+    for call, why in refused:
+        ctx.skipped(call, _WHAT, why)
+    keep = ctx.int_option("keep_last", 1)
+    regions = list(dict.fromkeys(c[0] for c in cands))
+    kept = set(regions[len(regions) - keep:]) if keep else set()
+    for call in kept:
+        ctx.skipped(call, _WHAT, f"one of the last {keep} regions (keep_last): the backward needs its input first")
+    cands = [c for c in cands if c[0] not in kept]
+    if mode == "auto":
+        need, chosen = detail["predicted_bytes"] - detail["limit_bytes"], []
+        for c in cands:  # the earliest regions first: their inputs are needed last in the backward
+            if need <= 0:
+                break
+            chosen.append(c)
+            need -= nbytes(node_val(c[3]))
+        for c in cands[len(chosen):]:
+            ctx.skipped(c[0], _WHAT, f"not needed: offloading the {len(chosen)} earlier region inputs brings the "
+                        f"predicted peak within {detail['limit_bytes'] / 2**30:.1f} GiB", **detail)
+        if need > 0:
+            ctx.skipped(cands[-1][0] if cands else first, _WHAT, f"offloading every region that qualifies leaves "
+                        f"the predicted peak {need / 2**30:.1f} GiB over the limit", **detail)
+        cands = chosen
+    for call, body, j, x in cands:
+        _offload(gm, ctx, call, body, j, x, mode=mode, **detail)
+    if cands:
         gm.recompile()
-    return count
+    return len(cands)

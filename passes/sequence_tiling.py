@@ -38,6 +38,8 @@ from fxfuse.graph_utils import arg, node_val, op_kind
 from fxfuse.ops.token_tiled import register_body
 from fxfuse.registry import register_pass
 
+from ._memory import device_memory
+
 NAME = "sequence_tiling"
 _TILED = torch.ops.fxfuse.token_tiled.default
 _LORA = torch.ops.fxfuse.lora_linear.default
@@ -243,13 +245,6 @@ def _upper_bound(d: torch.SymInt) -> int:
     return torch._inductor.config.unbacked_symint_fallback
 
 
-def _device_memory(x: fx.Node) -> Optional[int]:
-    dev = node_val(x).device
-    if dev.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(dev).total_memory
-    return None
-
-
 @register_pass(name=NAME,
                description="token-wise wide regions (a decoder's MLP, LoRA included) -> fxfuse::token_tiled over "
                            "chunks of tokens, saving only their input, where they would hold a large share of "
@@ -295,7 +290,7 @@ def sequence_tiling_pass(gm: fx.GraphModule, ctx) -> int:
     m0, y0, x0, nodes0, _ = max(found, key=lambda f: _tokens_hint(f[2]) * max(_width(n) or 0 for n in f[3]))
     widest = max(_width(n) or 0 for n in nodes0)
     need = 6 * _tokens_hint(x0) * widest * node_val(y0).element_size()
-    budget = ctx.int_option("memory_budget", None, 0, "bytes") or _device_memory(x0)
+    budget = ctx.int_option("memory_budget", None, 0, "bytes") or device_memory(x0)
     share = ctx.int_option("share_pct", None, 0, "percent")
     if mode == "auto":
         if budget is None:  # a CPU graph and no budget given: nothing to measure against, nothing said

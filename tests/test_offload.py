@@ -95,10 +95,10 @@ def test_what_the_forward_saves_is_the_host_copy():
     assert saved.count(torch.ops.fxfuse.to_host.default) == model.config.num_hidden_layers - 1, saved
 
 
-def test_off_by_default_changes_nothing():
+def test_off_changes_nothing():
     model = _checkpointed_model(layers=2)
     ids = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(1))
-    torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})(
+    torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", "offload_activations": False})(
         input_ids=ids, labels=ids.clone(), use_cache=False).loss.backward()
     assert not [r for rep in fxfuse.reports() for r in rep.records if r.pass_name == "checkpoint_offload"]
 
@@ -107,3 +107,47 @@ def test_off_by_default_changes_nothing():
 def test_bad_values_are_refused_when_given(value):
     with pytest.raises(fxfuse.FxFuseOptionsError, match="offload_activations"):
         fxfuse.compile(torch.nn.Linear(2, 2), options={"offload_activations": value})
+
+
+def _auto_run(model, ids, budget):
+    torch._dynamo.reset()
+    fxfuse.clear_reports()
+    opts = {"compiler": "aot_eager", "pass_options": {"checkpoint_offload": {"memory_budget": budget,
+                                                                           "fill_pct": 100, "min_bytes": 1}}}
+    out = torch.compile(model, backend="fxfuse", options=opts)(input_ids=ids, labels=ids.clone(), use_cache=False)
+    out.loss.backward()
+    recs = [r for rep in fxfuse.reports() for r in rep.records if r.pass_name == "checkpoint_offload"]
+    return out.loss.detach(), recs
+
+
+def test_auto_mode_offloads_only_what_the_predicted_peak_needs():
+    """Default (auto) mode against a memory budget: a budget the prediction fits changes nothing and says so;
+    one short by 1.5 region inputs offloads exactly the two earliest regions' inputs; the loss and every gradient
+    equal eager's."""
+    model = _checkpointed_model(layers=4)
+    ids = torch.randint(4, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_grads = _eager_grads(model, ids)
+
+    loss, recs = _auto_run(model, ids, budget=2**40)
+    assert [r.status for r in recs] == ["skipped"] and "not needed" in recs[0].reason, recs
+    predicted = recs[0].detail["predicted_bytes"]
+    region_input = 2 * 40 * model.config.hidden_size * 4  # [B, S, hidden] fp32
+    assert predicted > 4 * region_input  # weights (and their gradients), 4 checkpoints, one layer's work
+    model.zero_grad()
+
+    loss, recs = _auto_run(model, ids, budget=predicted - 3 * region_input // 2)
+    fused = [r for r in recs if r.status == "fused"]
+    assert len(fused) == 2 and all(r.saved_bytes == region_input for r in fused), [(r.status, r.reason) for r in recs]
+    assert any("not needed: offloading the 2 earlier" in r.reason for r in recs)
+    assert all(r.detail["predicted_bytes"] == predicted for r in fused)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        assert (p.grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm() + 1e-7, name
+
+
+def test_auto_mode_on_a_cpu_without_a_budget_says_nothing():
+    model = _checkpointed_model(layers=2)
+    ids = torch.randint(4, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})(
+        input_ids=ids, labels=ids.clone(), use_cache=False).loss.backward()
+    assert not [r for rep in fxfuse.reports() for r in rep.records if r.pass_name == "checkpoint_offload"]
