@@ -18,9 +18,10 @@ optimizer moments), every region's input (the checkpoints), and one layer's reco
 ``True`` or a size in bytes offloads every region that qualifies; ``False`` none. The report gives the prediction
 and the budget at every decision.
 
-Which inputs: floating tensors computed in the graph (not its inputs: parameters and the caller's tensors live on
-anyway) of at least the option's bytes (``True``: 16 MiB) that nothing but the region reads (a tensor read elsewhere stays on the GPU anyway: offloading it would only add copies; shared tensors such
-as the rotary tables are read by every region). The last ``keep_last`` regions (option, default 1) keep their
+Which inputs: floating activations (computed in the graph, or handed over from an earlier graph; never parameters
+or buffers) of at least the option's bytes (``True``: 16 MiB) that nothing but the region reads (a tensor read
+elsewhere stays on the GPU anyway: offloading it would only add copies; shared tensors such as the rotary tables
+are read by every region). The last ``keep_last`` regions (option, default 1) keep their
 inputs: the backward needs them first, before a copy could come back.
 
 Costs: per region one device-to-host copy in the forward and one host-to-device copy at the start of its
@@ -58,6 +59,28 @@ def _set_val(n: fx.Node, v: torch.Tensor) -> None:
 _WHAT = "keep a checkpointed region's input in host memory"
 
 
+def _is_activation(x: fx.Node) -> bool:
+    """Computed in this graph, or a graph input that is neither a parameter nor a buffer: an activation handed over
+    from an earlier graph (the first layer's input after PEFT's input hook breaks the graph there)."""
+    if x.op == "call_function":
+        return True
+    if x.op != "placeholder":
+        return False
+    arg = x.meta.get("grapharg")
+    if arg is None:
+        return False
+    source = getattr(arg, "source", None)
+    name = getattr(source, "name", "")
+    name = str(name() if callable(name) else name)  # a property in newer torch, a method in older
+    if source is None or "ParamBuffer" in repr(source) or "_parameters" in name or "_buffers" in name:
+        return False
+    try:
+        example = arg.example
+    except Exception:  # noqa: BLE001  (the real tensor is gone: do not guess)
+        return False
+    return isinstance(example, torch.Tensor) and not isinstance(example, torch.nn.Parameter)
+
+
 def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
     """[(call, body, operand index, x)] for every region input that qualifies, regions in graph order; the bytes of
     every region input (the checkpoints, qualifying or not) and the largest; [(call, why)] for the refused."""
@@ -75,8 +98,8 @@ def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
             continue
         for j, x in enumerate(call.args[1:]):
             v = node_val(x) if isinstance(x, fx.Node) else None
-            if not isinstance(v, torch.Tensor) or not v.is_floating_point() or x.op != "call_function":
-                continue  # graph inputs (parameters, buffers, the caller's tensors) live on anyway
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point() or not _is_activation(x):
+                continue  # parameters and buffers live on anyway
             if x not in seen:
                 seen.add(x)
                 ckpt_bytes += nbytes(v)

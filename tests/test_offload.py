@@ -30,7 +30,7 @@ def _eager_grads(model, ids):
     model.zero_grad()
     out = model(input_ids=ids, labels=ids.clone(), use_cache=False)
     out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     return out.loss.detach(), grads
 
@@ -151,3 +151,28 @@ def test_auto_mode_on_a_cpu_without_a_budget_says_nothing():
     torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager"})(
         input_ids=ids, labels=ids.clone(), use_cache=False).loss.backward()
     assert not [r for rep in fxfuse.reports() for r in rep.records if r.pass_name == "checkpoint_offload"]
+
+
+def test_peft_first_layer_input_from_an_earlier_graph_is_offloaded_and_no_weight_is():
+    """PEFT + checkpointing: PEFT's input hook breaks the graph after the embeddings, so the first layer's input is
+    an input of the decoder's graph; it is offloaded like the others, and no parameter (each layer's weights are
+    operands of its region too) ever is. LoRA gradients equal eager's."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_checkpointed_model(layers=3), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(4, 128, (2, 20), generator=torch.Generator().manual_seed(5))
+    ref_loss, ref_grads = _eager_grads(model, ids)
+    out = torch.compile(model, backend="fxfuse", options={"compiler": "aot_eager", "offload_activations": 1})(
+        input_ids=ids, labels=ids.clone(), use_cache=False)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert (p.grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm() + 1e-7, name
+    fused = [r for rep in fxfuse.reports() for r in rep.records
+             if r.pass_name == "checkpoint_offload" and r.status == "fused"]
+    assert len(fused) == 2, [r.op for r in fused]  # 3 regions, the last keeps its input
+    assert not any("parameters" in r.op or "weight" in r.op for r in fused), [r.op for r in fused]
+    assert any("stack" in r.op for r in fused), [r.op for r in fused]  # the graph input handed over
