@@ -280,8 +280,8 @@ def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head
 
 def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(tmp_path):
     """``examples/hf_trainer_fsdp2.py`` as written, under torchrun with 2 ranks: HF Trainer with
-    ``torch_compile=True`` (accelerate's Inductor backend) after ``fxfuse.install()`` fuses the lm-head loss and
-    logs the losses of the same script with ``--no-compile``. On the CPU accelerate applies no FSDP (it shards only
+    ``torch_compile=True`` (accelerate's Inductor backend) after ``fxfuse.install()``, and with ``--regions``
+    (``fxfuse.compile_regions``), fuse the lm-head loss and log the losses of the same script with ``--no-compile``. On the CPU accelerate applies no FSDP (it shards only
     on accelerators) and the ranks run data-parallel; the FSDP2 half of the recipe runs only on GPUs."""
     import subprocess
 
@@ -309,6 +309,9 @@ def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(
         assert p.returncode == 0 and lines, (p.returncode, out[-2000:] + err[-4000:])
         return json.loads(lines[-1][len("RESULT "):])
 
-    got, ref = run(), run("--no-compile")
+    got, ref, regions = run(), run("--no-compile"), run("--regions")
     assert "linear_cross_entropy" in got["fused"], got
     assert len(got["losses"]) == 2 and got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (got, ref)
+    # --regions: fxfuse.compile_regions before the Trainer, torch_compile off (the faster mode on GPUs)
+    assert regions["mode"] == "regions" and "linear_cross_entropy" in regions["fused"], regions
+    assert regions["losses"] == pytest.approx(ref["losses"], rel=1e-5), (regions, ref)
