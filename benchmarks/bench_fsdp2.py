@@ -6,7 +6,7 @@ Impl (argv[1]):
   inductor           torch.compile(model)                                   whole model, Inductor
   inductor-regional  torch.compile(layer.forward) per decoder layer          regional, Inductor (torchtitan style)
   fxfuse             torch.compile(model, backend="fxfuse")                 whole model
-  fxfuse-regions     fxfuse.compile_regions(model)                          blocks + root code, hooks eager
+  fxfuse-regions     fxfuse.compile_regions(model)                          blocks + lm-head loss; base model, hooks eager
   fxfuse-regions-nopass  compile_regions with every fxfuse pass off       the structure alone (Inductor kernels)
   fxfuse-regions-nolora  compile_regions with the LoRA passes off
   fxfuse-layer       torch.compile(layer.forward, backend="fxfuse") per layer   inductor-regional's structure
