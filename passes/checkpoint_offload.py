@@ -14,7 +14,9 @@ bytes), and then only as many regions as the prediction needs, the earliest firs
 at lengths that fit nothing changes, and on a CPU without a budget auto mode does nothing. The prediction, from
 the graph at the compile's example length: its inputs (weights, and for trainable ones their gradient and two
 optimizer moments), every region's input (the checkpoints), and one layer's recompute and backward, ``work_factor``
-(16) times the largest region input (measured 110.4 GiB at 256k x32 layers for 15 + 64 + 32 predicted).
+times the largest region input: 16 where ``sequence_tiling`` tiled the MLPs, 24 where not. On the H200 (8B widths,
+LoRA, 256k tokens) that predicts 53.3 / 111 / 67.3 GiB where 52.6 (x8 layers, tiled) / 110.4 (x32, tiled) / 67.6
+(x8, untiled) were measured.
 ``True`` or a size in bytes offloads every region that qualifies; ``False`` none. The report gives the prediction
 and the budget at every decision.
 
@@ -34,6 +36,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.host_offload  # noqa: F401  (registers torch.ops.fxfuse.to_host / to_device)
+import fxfuse.ops.token_tiled  # noqa: F401  (sequence_tiling's op, which the peak prediction looks for)
 from fxfuse.graph_utils import node_val
 from fxfuse.registry import register_pass
 
@@ -114,6 +117,13 @@ def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
     return out, refused, ckpt_bytes, largest
 
 
+def _has_tiled_regions(gm: fx.GraphModule) -> bool:
+    from fxfuse.graph_utils import graph_modules
+
+    return any(n.op == "call_function" and n.target is torch.ops.fxfuse.token_tiled.default
+               for _, m in graph_modules(gm) for n in m.graph.nodes)
+
+
 def _predicted_peak(gm: fx.GraphModule, ckpt_bytes: int, largest: int, work_factor: int) -> int:
     """The step's peak as the module docstring says: graph inputs (+3x for trainable ones), checkpoints, and one
     layer's recompute and backward (work_factor x the largest region input)."""
@@ -159,8 +169,9 @@ def _offload(gm: fx.GraphModule, ctx, call: fx.Node, body: fx.GraphModule, j: in
                         "memory_budget": {"type": int, "minimum": 0, "default": 0,
                                           "doc": "bytes auto mode measures against (0: the GPU's memory; on a CPU, "
                                                  "auto mode then offloads nothing)"},
-                        "work_factor": {"type": int, "minimum": 0, "default": 16,
-                                        "doc": "one layer's recompute + backward, in region inputs (prediction)"}})
+                        "work_factor": {"type": int, "minimum": 0, "default": 0,
+                                        "doc": "one layer's recompute + backward, in region inputs (prediction; "
+                                               "0: 16 where sequence_tiling tiled the MLPs, else 24)"}})
 def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
     mode = ctx.options.offload_mode
     if mode == "off":
@@ -175,7 +186,8 @@ def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
         budget = ctx.int_option("memory_budget", None, 0, "bytes") or device_memory(first)
         if budget is None:  # a CPU graph and no budget given: nothing to measure against, nothing said
             return 0
-        predicted = _predicted_peak(gm, ckpt_bytes, largest, ctx.int_option("work_factor", None, 0, "inputs"))
+        work = ctx.int_option("work_factor", None, 0, "inputs") or (16 if _has_tiled_regions(gm) else 24)
+        predicted = _predicted_peak(gm, ckpt_bytes, largest, work)
         limit = budget * ctx.int_option("fill_pct", None, 1, "percent") // 100
         detail = dict(predicted_bytes=predicted, budget_bytes=budget, limit_bytes=limit)
         if predicted <= limit:
