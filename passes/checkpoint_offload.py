@@ -15,7 +15,7 @@ at lengths that fit nothing changes, and on a CPU without a budget auto mode doe
 the graph at the compile's example length: its inputs (weights, and for trainable ones their gradient and two
 optimizer moments), every region's input (the checkpoints), and one layer's recompute and backward, ``work_factor``
 times the largest region input: 16 where ``sequence_tiling`` tiled the MLPs, 24 where not. On the H200 (8B widths,
-LoRA, 256k tokens) that predicts 53.3 / 111 / 67.3 GiB where 52.6 (x8 layers, tiled) / 110.4 (x32, tiled) / 67.6
+LoRA, 256k tokens) that predicts 53.3 / 111 / 69.3 GiB where 52.6 (x8 layers, tiled) / 110.4 (x32, tiled) / 67.6
 (x8, untiled) were measured.
 ``True`` or a size in bytes offloads every region that qualifies; ``False`` none. The report gives the prediction
 and the budget at every decision.
