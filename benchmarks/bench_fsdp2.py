@@ -127,7 +127,8 @@ def main(impl):
         times.append(time.perf_counter() - t0)
     loss = loss.item()
     dt = sorted(times)[len(times) // 2]
-    row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""), gpus=dist.get_world_size(), device=torch.cuda.get_device_name() if dev.type == "cuda" else
+    row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""), gpus=dist.get_world_size(),
+               device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),

@@ -187,7 +187,7 @@ def counting_backend(impl):
         def inner(gm, example_inputs):
             return full(gm, example_inputs, options={"pass_options": {"sequence_tiling": {
                 "mode": "always", "chunk_tokens": int(os.environ.get("TILE_TOKENS", 8192))}}})
-    elif impl == "fxfuse-offload":  # the default (auto tiling) + saved activations in host memory (pass checkpoint_offload)
+    elif impl == "fxfuse-offload":  # the default + every checkpointed layer input in host memory (checkpoint_offload)
         from fxfuse.backend import fxfuse as full
 
         def inner(gm, example_inputs):

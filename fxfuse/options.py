@@ -21,7 +21,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
-import torch
 
 from .errors import FxFuseOptionsError
 

@@ -86,7 +86,8 @@ def test_what_the_forward_saves_is_the_host_copy():
 
         PassManager(FxFuseOptions.parse({"offload_activations": 1})).run(gm, example_inputs,
                                                                            detect_fake_mode(example_inputs))
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, bw_compiler=lambda g, ex: make_boxed_func(g.forward),
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw,
+                                     bw_compiler=lambda g, ex: make_boxed_func(g.forward),
                                      partition_fn=min_cut_rematerialization_partition)
 
     ids = torch.randint(4, 128, (1, 16), generator=torch.Generator().manual_seed(0))
