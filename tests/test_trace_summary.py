@@ -1,0 +1,31 @@
+"""``benchmarks/trace_summary.py``, which the FSDP2 notes' per-kernel-kind figures come from: on a hand-made trace
+with known intervals, the compute-busy, idle, NCCL and exposed-NCCL times and the kinds come out exact."""
+from benchmarks.trace_summary import kind_of, summarize
+
+
+def _k(name, ts, dur, pid=0):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": pid}
+
+
+def test_busy_idle_and_exposed_nccl_on_known_intervals():
+    trace = {"traceEvents": [
+        _k("nvjet_sm90_tst_gemm", 0, 1000),              # compute 0-1000
+        _k("ncclDevKernel_AllGather_RING_LL", 500, 1000),  # NCCL 500-1500: 500 us not under compute
+        _k("triton_poi_fused_mul_0", 2000, 500),          # compute 2000-2500, idle 1500-2000
+        _k("_attn_fwd", 2200, 800),                        # overlaps the previous: compute until 3000
+        _k("nvjet_other_device", 0, 10_000, pid=1),        # another device: ignored
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99_999, "pid": 0},  # not a kernel
+    ]}
+    s = summarize(trace, steps=1)
+    assert s["span_ms"] == 3.0
+    assert s["compute_busy_ms"] == 2.0   # 0-1000 and 2000-3000
+    assert s["nccl_ms"] == 1.0 and s["nccl_exposed_ms"] == 0.5
+    assert s["idle_ms"] == 0.5           # 1500-2000
+    assert s["by_kind_ms"] == {"matmul": 1.0, "nccl": 1.0, "attention": 0.8, "triton": 0.5}
+
+
+def test_inductor_kernels_are_triton_whatever_ops_they_name():
+    assert kind_of("triton_poi_fused_lora_linear_bwd_mul_silu_silu_backward_view_0") == "triton"
+    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert kind_of("_lce_rows_kernel") == "lm-head loss"
+    assert kind_of("void at::native::multi_tensor_apply_kernel<AdamW>") == "optimizer"
