@@ -235,7 +235,9 @@ def graph_modules(gm: fx.GraphModule, prefix: str = "") -> Iterator[Tuple[str, f
 
 
 def size_hint(s: Any, fallback: int = 8192) -> int:
-    """A concrete value for a possibly symbolic size (its example value), for cost estimates only."""
+    """A concrete value for a possibly symbolic size (its example value), for cost estimates only. An unbacked size
+    (data-dependent: unpad_tokens' kept-token count) has no example value: its upper bound where the shape
+    environment knows one (the kept tokens are at most the padded batch's B x S), else ``fallback``."""
     if isinstance(s, int):
         return s
     try:
@@ -243,7 +245,14 @@ def size_hint(s: Any, fallback: int = 8192) -> int:
         hint = node.hint if hasattr(node, "hint") else None
         if hint is not None:
             return int(hint)
-        return int(node.shape_env.size_hint(node.expr))
+        hinted = node.shape_env.size_hint(node.expr, allow_none=True)
+        if hinted is not None:
+            return int(hinted)
+        upper = node.shape_env.bound_sympy(node.expr).upper
+        if upper.is_number and upper.is_finite:
+            return int(upper)
+        hinted = node.shape_env.size_hint(upper, allow_none=True)  # a bound in backed sizes (B * S)
+        return int(hinted) if hinted is not None else fallback
     except Exception:
         return fallback
 

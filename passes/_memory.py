@@ -6,18 +6,13 @@ from typing import Any, Optional
 
 import torch
 
-from fxfuse.graph_utils import node_val
+from fxfuse.graph_utils import node_val, numel_hint
 
 
 def nbytes(v: Any) -> int:
-    """Bytes of tensor ``v`` at its example sizes (a symbolic size by its hint; an unbacked one without a hint
-    counts as huge: large enough to matter)."""
-    n = v.numel()
-    try:
-        n = int(n.node.hint) if isinstance(n, torch.SymInt) and n.node.has_hint() else int(n)
-    except Exception:  # noqa: BLE001
-        return 2**62
-    return n * v.element_size()
+    """Bytes of tensor ``v`` at the compile's example sizes (graph_utils.size_hint: an unbacked size by its upper
+    bound)."""
+    return numel_hint(v) * v.element_size()
 
 
 def device_memory(node: Any) -> Optional[int]:

@@ -142,9 +142,9 @@ def _offload(gm: fx.GraphModule, ctx, call: fx.Node, body: fx.GraphModule, j: in
         h = g.call_function(torch.ops.fxfuse.to_host.default, (x,))
     _set_val(h, _fake_like(ctx, v, "cpu"))
     call.args = tuple(h if i == j + 1 else a for i, a in enumerate(call.args))
-    p = [q for q in body.graph.nodes if q.op == "placeholder"][j]
-    phs_last = [q for q in body.graph.nodes if q.op == "placeholder"][-1]
-    with body.graph.inserting_after(phs_last):
+    phs = [q for q in body.graph.nodes if q.op == "placeholder"]
+    p = phs[j]
+    with body.graph.inserting_after(phs[-1]):
         back = body.graph.call_function(torch.ops.fxfuse.to_device.default, (p, v.device))
     p.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
     _set_val(back, node_val(p) if isinstance(node_val(p), torch.Tensor) else v)

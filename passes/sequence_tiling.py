@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fxfuse.ops.lora_linear  # noqa: F401  (registers the LoRA ops this pass recognises)
-from fxfuse.graph_utils import arg, node_val, op_kind
+from fxfuse.graph_utils import arg, node_val, op_kind, size_hint
 from fxfuse.ops.token_tiled import register_body
 from fxfuse.registry import register_pass
 
@@ -220,29 +220,11 @@ def _body(x: fx.Node, nodes: List[fx.Node], params: List[fx.Node]) -> fx.GraphMo
 
 def _tokens_hint(x: fx.Node) -> int:
     """How many tokens ``x`` holds at the compile's example sizes (a symbolic length by its hint; an unbacked count,
-    unpad_tokens' kept tokens, by Inductor's fallback for sizes it cannot know)."""
+    unpad_tokens' kept tokens, by its upper bound B x S, else Inductor's fallback for sizes it cannot know)."""
     n = 1
     for d in node_val(x).shape[:-1]:
-        if isinstance(d, torch.SymInt):
-            d = d.node.hint if d.node.has_hint() else _upper_bound(d)
-        n *= int(d)
+        n *= size_hint(d, fallback=torch._inductor.config.unbacked_symint_fallback)
     return n
-
-
-def _upper_bound(d: torch.SymInt) -> int:
-    """An unbacked size's upper bound where the shape environment knows one (unpad_tokens' kept-token count is at
-    most the padded batch's B x S, by ``nonzero``), else Inductor's fallback."""
-    try:
-        env = d.node.shape_env
-        upper = env.bound_sympy(d.node.expr).upper
-        if upper.is_number and upper.is_finite:
-            return int(upper)
-        hinted = env.size_hint(upper, allow_none=True)  # a bound in backed sizes (B * S)
-        if hinted is not None:
-            return int(hinted)
-    except Exception:  # noqa: BLE001  (no bound: the fallback)
-        pass
-    return torch._inductor.config.unbacked_symint_fallback
 
 
 @register_pass(name=NAME,
