@@ -76,7 +76,7 @@ def main():
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StepTimes()])
     trainer.train()
-    steps = [b - a for a, b in zip(times[1:], times[2:])]  # after the first two steps (compiles)
+    steps = [t1 - t0 for t0, t1 in zip(times[1:], times[2:])]  # after the first two steps (compiles)
     if int(os.environ.get("RANK", 0)) == 0:
         from torch.distributed.fsdp import FSDPModule
 
