@@ -55,22 +55,34 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(opts.inductor)
     patches.update(_data_dependent_size_patches(gm, patches))
-    key_pass = manager.cache_key_pass(patches.get("post_grad_custom_post_pass",
-                                                  torch._inductor.config.post_grad_custom_post_pass))
-    if key_pass is not None:
-        patches["post_grad_custom_post_pass"] = key_pass
+    patches["post_grad_custom_post_pass"] = manager.post_grad_pass(
+        patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass))
     if manager.debug_dir:
         import os
 
         patches.setdefault("trace.enabled", True)
         patches.setdefault("trace.debug_dir", os.path.join(os.path.abspath(manager.debug_dir), "inductor"))
     if opts.compiler == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
-
-        compiled = aot_eager(gm, example_inputs)
+        compiled = _aot_eager(gm, example_inputs)
     else:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return wrap_site_errors(wrap_substitutions(compiled, subs), sites, gm)
+
+
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]):
+    """AOTAutograd with no compiler (the ``compiler="aot_eager"`` option): the partitioned graphs run as they are,
+    after the one post-partition step fxfuse needs in every mode (the host-offload round trips folded)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.debugging import aot_eager
+
+    from .ops.host_offload import fold_round_trips
+
+    def run_as_is(g: fx.GraphModule, _example):
+        if fold_round_trips(g.graph):
+            g.recompile()
+        return make_boxed_func(g.forward)
+
+    return aot_eager(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is)
 
 
 def _data_dependent_size_patches(gm: fx.GraphModule, patches: Dict[str, Any]) -> Dict[str, Any]:

@@ -12,7 +12,7 @@ The entry points are thin adapters around it (vLLM's ``PostGradPassManager`` pla
 
 * :func:`fxfuse.backend.fxfuse`, the Dynamo backend (``torch.compile(model, backend="fxfuse")``,
   :func:`fxfuse.compile`, :func:`fxfuse.compile_regions`): can rebuild outputs outside the graph, then calls
-  Inductor with :meth:`PassManager.cache_key_pass`;
+  Inductor with :meth:`PassManager.post_grad_pass`;
 * :mod:`fxfuse.inductor_hook` (:func:`fxfuse.install`): runs the manager from Inductor's pre-grad hook, where a
   graph can only be rewritten in place; its ``uuid()`` is :meth:`PassManager.uuid`.
 
@@ -144,31 +144,34 @@ class PassManager:
                 repr(sorted((k, sorted(v.items())) for k, v in o.pass_options.items())), o.strict, o.verify,
                 self.debug_dir, o.offload_mode, o.offload_min_bytes, tuple(extra))
 
-    def cache_key_pass(self, existing: Any):
-        """A no-op Inductor post-grad pass whose ``uuid()`` carries :meth:`uuid`, for the Dynamo backend.
+    def post_grad_pass(self, existing: Any):
+        """fxfuse's Inductor post-grad pass, for the Dynamo backend: it folds the host-offload round trips that
+        AOTAutograd's partition leaves (:func:`fxfuse.ops.host_offload.fold_round_trips`), and its ``uuid()``
+        carries :meth:`uuid`.
 
         Inductor's FX-graph cache and AOTAutograd's cache key on the graph, and fxfuse's graphs name ``fxfuse::``
         ops, not their code: the ops' decompositions, autograd formulas and fake impls are baked into what they
         cache. A custom pass's ``uuid()`` is part of both keys, so this one makes an upgrade or a local edit of
         fxfuse a cache miss. A user's own post-grad pass keeps running first, its uuid combined with ours; a raw
-        callable there already disables caching and is left as it is (None = no change)."""
+        callable there disables caching (uuid None), as it would without fxfuse."""
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
-        if existing is not None and not isinstance(existing, CustomGraphPass):
-            return None
-        key = self.uuid()
+        from .ops.host_offload import fold_round_trips
 
-        class FxFuseCacheKey(CustomGraphPass):
+        key = self.uuid() if existing is None or isinstance(existing, CustomGraphPass) else None
+
+        class FxFusePostGrad(CustomGraphPass):
             def __call__(self, graph):
                 if existing is not None:
                     existing(graph)
+                fold_round_trips(graph)
 
             def uuid(self):
                 if key is None:
                     return None
                 return key + ((existing.uuid() if existing is not None else None),)
 
-        return FxFuseCacheKey()
+        return FxFusePostGrad()
 
     # -- the run -------------------------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode=None

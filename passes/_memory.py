@@ -22,3 +22,15 @@ def device_memory(node: Any) -> Optional[int]:
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(dev).total_memory
     return None
+
+
+def host_memory_available() -> Optional[int]:
+    """Bytes of host memory available now (Linux ``MemAvailable``; None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

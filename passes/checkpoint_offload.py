@@ -26,9 +26,13 @@ elsewhere stays on the GPU anyway: offloading it would only add copies; shared t
 are read by every region). The last ``keep_last`` regions (option, default 1) keep their
 inputs: the backward needs them first, before a copy could come back.
 
-Costs: per region one device-to-host copy in the forward and one host-to-device copy at the start of its
-recompute, and the same two for the input's gradient (it travels the way the value came). At long context these
-are ~1% of a layer's time. Pinned blocks come from torch's caching host allocator and are reused step after step.
+Costs: per region one device-to-host copy in the forward and one host-to-device copy for its recompute, both on
+a side stream (:mod:`fxfuse.ops.host_offload`): the forward's copy runs beside the compute, and in the backward
+each region's input is copied back while the region after it computes (one region input of device memory more,
+which auto mode counts). The forward's own use of the input and the gradient's way back copy nothing: AOTAutograd's
+partition leaves ``to_device(to_host(x))`` there, which fxfuse's post-grad step folds to ``x``. The host side is
+bounded by ``host_budget`` (default 80% of the host memory available at compile time); pinned blocks come from
+torch's caching host allocator and are reused step after step.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import fxfuse.ops.token_tiled  # noqa: F401  (sequence_tiling's op, which the pe
 from fxfuse.graph_utils import node_val
 from fxfuse.registry import register_pass
 
-from ._memory import device_memory, nbytes
+from ._memory import device_memory, host_memory_available, nbytes
 
 NAME = "checkpoint_offload"
 
@@ -139,7 +143,7 @@ def _offload(gm: fx.GraphModule, ctx, call: fx.Node, body: fx.GraphModule, j: in
     g = gm.graph
     v = node_val(x)
     with g.inserting_before(call):
-        h = g.call_function(torch.ops.fxfuse.to_host.default, (x,))
+        h = g.call_function(torch.ops.fxfuse.to_host.default, (x, True))
     _set_val(h, _fake_like(ctx, v, "cpu"))
     call.args = tuple(h if i == j + 1 else a for i, a in enumerate(call.args))
     phs = [q for q in body.graph.nodes if q.op == "placeholder"]
@@ -152,6 +156,26 @@ def _offload(gm: fx.GraphModule, ctx, call: fx.Node, body: fx.GraphModule, j: in
     body.recompile()
     ctx.fused(call, f"checkpointed region input {x.name} {[str(s) for s in v.shape]} kept in host memory between "
               "the forward and the recompute", saved_bytes=nbytes(v), device=str(v.device), **detail)
+
+
+def _within_host_budget(ctx, cands):
+    """The chosen region inputs, the earliest first, as many as the host budget holds; the rest refused, said."""
+    host = ctx.int_option("host_budget", None, 0, "bytes")
+    if not host:
+        avail = host_memory_available()
+        host = avail * 8 // 10 if avail is not None else None
+    if host is None:
+        return cands
+    kept, total = [], 0
+    for c in cands:
+        b = nbytes(node_val(c[3]))
+        if total + b > host:
+            ctx.skipped(c[0], _WHAT, f"over the host budget: the {len(kept)} earlier region inputs take "
+                        f"{total / 2**30:.1f} GiB of {host / 2**30:.1f} GiB (host_budget)", host_budget_bytes=host)
+            continue
+        kept.append(c)
+        total += b
+    return kept
 
 
 @register_pass(name=NAME,
@@ -169,6 +193,9 @@ def _offload(gm: fx.GraphModule, ctx, call: fx.Node, body: fx.GraphModule, j: in
                         "memory_budget": {"type": int, "minimum": 0, "default": 0,
                                           "doc": "bytes auto mode measures against (0: the GPU's memory; on a CPU, "
                                                  "auto mode then offloads nothing)"},
+                        "host_budget": {"type": int, "minimum": 0, "default": 0,
+                                        "doc": "pinned host bytes the offloaded inputs may take (0: 80% of the "
+                                               "host memory available at compile time)"},
                         "work_factor": {"type": int, "minimum": 0, "default": 0,
                                         "doc": "one layer's recompute + backward, in region inputs (prediction; "
                                                "0: 16 where sequence_tiling tiled the MLPs, else 24)"}})
@@ -203,7 +230,8 @@ def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
         ctx.skipped(call, _WHAT, f"one of the last {keep} regions (keep_last): the backward needs its input first")
     cands = [c for c in cands if c[0] not in kept]
     if mode == "auto":
-        need, chosen = detail["predicted_bytes"] - detail["limit_bytes"], []
+        # the backward's reload one region ahead holds one more region input on the device while offloading
+        need, chosen = detail["predicted_bytes"] + largest - detail["limit_bytes"], []
         for c in cands:  # the earliest regions first: their inputs are needed last in the backward
             if need <= 0:
                 break
@@ -216,6 +244,7 @@ def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
             ctx.skipped(cands[-1][0] if cands else first, _WHAT, f"offloading every region that qualifies leaves "
                         f"the predicted peak {need / 2**30:.1f} GiB over the limit", **detail)
         cands = chosen
+    cands = _within_host_budget(ctx, cands)
     for call, body, j, x in cands:
         _offload(gm, ctx, call, body, j, x, mode=mode, **detail)
     if cands:
