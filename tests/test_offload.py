@@ -205,7 +205,7 @@ def _copy_calls(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     names = [e.name for e in prof.events()]
-    return {op: names.count(f"fxfuse::{op}") for op in ("to_host", "to_device")}
+    return {op: names.count(f"fxfuse::{op}") for op in ("to_host", "to_device", "wait_host_copy")}
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
@@ -222,8 +222,8 @@ def test_forward_only_writes_the_host_copy_and_backward_only_reads_it(compiler):
     out = {}
     fwd = _copy_calls(lambda: out.setdefault("o", fn(input_ids=ids, labels=ids.clone(), use_cache=False)))
     bwd = _copy_calls(lambda: out["o"].loss.backward())
-    assert fwd == {"to_host": 2, "to_device": 0}, fwd  # 3 regions, the last keeps its input
-    assert bwd == {"to_host": 0, "to_device": 2}, bwd
+    assert fwd == {"to_host": 2, "to_device": 0, "wait_host_copy": 2}, fwd  # 3 regions, the last keeps its input
+    assert bwd == {"to_host": 0, "to_device": 2, "wait_host_copy": 0}, bwd
     torch.testing.assert_close(out["o"].loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
     for name, p in model.named_parameters():
         assert (p.grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm() + 1e-7, name
@@ -250,6 +250,13 @@ def test_fold_round_trips_leaves_what_it_cannot_prove_equal():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.fxfuse.to_host.default) == 2  # h is an output; y.t()'s copy kept
     assert targets.count(torch.ops.fxfuse.to_device.default) == 1
+    # each copy's source is held until the compute stream has waited for the copy, after its last reader
+    waits = [n for n in gm.graph.nodes if n.target is torch.ops.fxfuse.wait_host_copy.default]
+    order = list(gm.graph.nodes)
+    assert len(waits) == 2
+    for w in waits:
+        src = w.args[1]
+        assert all(order.index(u) <= order.index(w) for u in src.users), (w, list(src.users))
     for got, ref in zip(gm(x, y), want):
         assert torch.equal(got, ref)
 

@@ -37,6 +37,8 @@ __all__ = ["to_host", "to_device", "fold_round_trips"]
 _lib = torch.library.Library("fxfuse", "FRAGMENT")
 _lib.define("to_host(Tensor x, bool saved=False) -> Tensor")
 _lib.define("to_device(Tensor h, Device device) -> Tensor")
+# declared as writing h so that no graph drops it (it returns nothing); it only orders the compute stream
+_lib.define("wait_host_copy(Tensor(a!) h, Tensor x) -> ()")
 
 
 class _CopyEngine:
@@ -48,6 +50,7 @@ class _CopyEngine:
         from torch.utils.weak import WeakIdKeyDictionary
 
         self.prefetched = WeakIdKeyDictionary()  # host copy -> (device tensor, event of its copy)
+        self.copies = WeakIdKeyDictionary()  # host copy -> event of the copy that wrote it
 
     def to_host(self, x: Tensor, saved: bool) -> Tensor:
         compute = torch.cuda.current_stream(x.device)
@@ -55,11 +58,19 @@ class _CopyEngine:
         with torch.cuda.stream(self.stream):
             out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
             out.copy_(x, non_blocking=True)
-        x.record_stream(self.stream)  # x's block stays x's until the copy has read it
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.copies[out] = done
+        x.record_stream(self.stream)  # x's block, once freed, is not handed out before the copy has read it
         if saved:
             self.saved = [r for r in self.saved if r() is not None]
             self.saved.append(weakref.ref(out))
         return out
+
+    def wait_host_copy(self, h: Tensor, x: Tensor) -> None:
+        done = self.copies.pop(h, None)
+        if done is not None:
+            torch.cuda.current_stream(x.device).wait_event(done)
 
     def _copy_in(self, h: Tensor, device: torch.device):
         compute = torch.cuda.current_stream(device)
@@ -117,9 +128,20 @@ def _to_device_impl(h: Tensor, device: torch.device) -> Tensor:
     return h.to(device)
 
 
+def _wait_host_copy_impl(h: Tensor, x: Tensor) -> None:
+    if x.is_cuda:
+        _engine(x.device).wait_host_copy(h, x)
+
+
 for _key in ("CPU", "CUDA"):
     _lib.impl("to_host", _to_host_impl, _key)
     _lib.impl("to_device", _to_device_impl, _key)
+    _lib.impl("wait_host_copy", _wait_host_copy_impl, _key)
+
+
+@torch.library.register_fake("fxfuse::wait_host_copy", lib=_lib)
+def _(h, x):
+    return None
 
 
 @torch.library.register_fake("fxfuse::to_host", lib=_lib)
@@ -167,7 +189,11 @@ def fold_round_trips(graph: fx.Graph) -> int:
     the values are equal, and the copies were only there because one function (a checkpointed region's body) serves
     both the forward, which has ``t``, and the recompute, which has only the host copy. Run on AOTAutograd's
     partitioned graphs (the forward keeps ``to_host`` as a saved output; the gradient's way back loses both copies).
-    Returns how many were folded."""
+
+    Then every ``to_host(t)`` left gets ``wait_host_copy(h, t)`` after ``t``'s last reader: the copy runs on a side
+    stream, and a compiler may hand ``t``'s memory to a later kernel of the compute stream as soon as ``t`` is
+    dead (Inductor reuses buffers without freeing them), so the compute stream waits for the copy there, where it
+    has long finished at the lengths that offload. Returns how many round trips were folded."""
     from torch._prims_common import is_contiguous
     from torch.fx.experimental.symbolic_shapes import statically_known_true as _known, sym_eq
 
@@ -190,4 +216,21 @@ def fold_round_trips(graph: fx.Graph) -> int:
         if not src.users:
             graph.erase_node(src)
         folded += 1
+    _order_host_copies(graph, to_host_op)
     return folded
+
+
+def _order_host_copies(graph: fx.Graph, to_host_op) -> None:
+    wait_op = torch.ops.fxfuse.wait_host_copy.default
+    if any(n.op == "call_function" and n.target is wait_op for n in graph.nodes):
+        return  # done already (a graph this ran on before)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for h in [n for n in graph.nodes if n.op == "call_function" and n.target is to_host_op]:
+        t = h.args[0]
+        if not isinstance(t, fx.Node):
+            continue
+        last = max(t.users, key=order.__getitem__)
+        if last.op == "output":  # lives on past the graph: freed through the allocator, which record_stream guards
+            continue
+        with graph.inserting_after(last):
+            graph.call_function(wait_op, (h, t))
