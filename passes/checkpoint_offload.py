@@ -129,13 +129,20 @@ def _has_tiled_regions(gm: fx.GraphModule) -> bool:
 
 
 def _predicted_peak(gm: fx.GraphModule, ckpt_bytes: int, largest: int, work_factor: int) -> int:
-    """The step's peak as the module docstring says: graph inputs (+3x for trainable ones), checkpoints, and one
-    layer's recompute and backward (work_factor x the largest region input)."""
+    """The step's peak as the module docstring says: graph inputs (+3x for trainable parameters), checkpoints, and
+    one layer's recompute and backward (work_factor x the largest region input). An activation handed over from an
+    earlier graph is counted once, as a checkpoint where it is a region's input (it requires grad, but it has no
+    optimizer state)."""
+    region_inputs = {a for n in gm.graph.nodes if _is_checkpoint(n) for a in n.args[1:] if isinstance(a, fx.Node)}
     inputs = 0
     for p in gm.graph.nodes:
         v = node_val(p) if p.op == "placeholder" else None
-        if isinstance(v, torch.Tensor):
-            inputs += nbytes(v) * (4 if v.requires_grad and v.is_leaf else 1)
+        if not isinstance(v, torch.Tensor):
+            continue
+        if _is_activation(p):
+            inputs += 0 if p in region_inputs and v.is_floating_point() else nbytes(v)
+        else:
+            inputs += nbytes(v) * (4 if v.requires_grad else 1)
     return inputs + ckpt_bytes + work_factor * largest
 
 
