@@ -38,6 +38,9 @@ FXFUSE_KEYS = {
                            "int (bytes): keep the inputs of checkpointed regions (each layer's input under gradient "
                            "checkpointing) of at least that many bytes (True: 16 MiB) in pinned host memory between "
                            "the forward and the recompute (pass checkpoint_offload)",
+    "plan_tokens": "int: the most tokens a step (batch x length) will hold; where a graph is compiled with a "
+                   "symbolic length, sequence_tiling and checkpoint_offload decide their auto modes at this many "
+                   "tokens instead of the compile's example length (default: the example length)",
     "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
@@ -122,6 +125,7 @@ class FxFuseOptions:
     inductor: Dict[str, Any] = field(default_factory=dict)
     offload_min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES  # region inputs at least this large are candidates
     offload_mode: str = "auto"  # auto (as the predicted peak needs), always, off
+    plan_tokens: Optional[int] = None  # auto modes of a symbolic-length graph decide at this many tokens
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
@@ -187,7 +191,12 @@ class FxFuseOptions:
                                      f"of bytes >= 1, got {_kind(offload)}")
         else:
             offload_bytes = offload
-        return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
+        plan_tokens = ours.get("plan_tokens")
+        if plan_tokens is not None and (isinstance(plan_tokens, bool) or not isinstance(plan_tokens, int)
+                                        or plan_tokens < 1):
+            raise FxFuseOptionsError(f"options['plan_tokens'] must be a number of tokens >= 1 (batch x length), "
+                                     f"got {_kind(plan_tokens)}")
+        return cls(plan_tokens=plan_tokens, compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
                    offload_mode=offload_mode)
 

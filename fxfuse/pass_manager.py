@@ -142,7 +142,7 @@ class PassManager:
         o = self.options
         return ("fxfuse", source_hash(), self.can_substitute_outputs, repr(o.passes),
                 repr(sorted((k, sorted(v.items())) for k, v in o.pass_options.items())), o.strict, o.verify,
-                self.debug_dir, o.offload_mode, o.offload_min_bytes, tuple(extra))
+                self.debug_dir, o.offload_mode, o.offload_min_bytes, o.plan_tokens, tuple(extra))
 
     def post_grad_pass(self, existing: Any):
         """fxfuse's Inductor post-grad pass, for the Dynamo backend: it folds the host-offload round trips that

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from fxfuse.graph_utils import node_val, numel_hint
+from fxfuse.graph_utils import node_val, numel_hint, size_hint
 
 
 def nbytes(v: Any) -> int:
@@ -34,3 +34,19 @@ def host_memory_available() -> Optional[int]:
     except OSError:
         pass
     return None
+
+
+def planned_scale(v: Any, plan_tokens: Optional[int]) -> float:
+    """How much larger a token-wise tensor ``v`` (tokens in every dimension but the last) is at ``plan_tokens``
+    tokens than at the compile's example sizes: ``plan_tokens / example tokens`` where ``v``'s token count is
+    symbolic (the compiled graph serves every length) and ``plan_tokens`` is more, else 1. The memory-driven auto
+    modes decide at the longest step the user plans for, not at whichever length Dynamo compiled the graph at."""
+    if not plan_tokens or not isinstance(v, torch.Tensor) or v.dim() < 2:
+        return 1.0
+    dims = v.shape[:-1]
+    if all(isinstance(d, int) for d in dims):
+        return 1.0
+    tokens = 1
+    for d in dims:
+        tokens *= size_hint(d, fallback=torch._inductor.config.unbacked_symint_fallback)
+    return max(1.0, plan_tokens / max(tokens, 1))

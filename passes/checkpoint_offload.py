@@ -17,6 +17,8 @@ optimizer moments), every region's input (the checkpoints), and one layer's reco
 times the largest region input: 16 where ``sequence_tiling`` tiled the MLPs, 24 where not. On the H200 (8B widths,
 LoRA, 256k tokens) that predicts 53.3 / 111 / 69.3 GiB where 52.6 (x8 layers, tiled) / 110.4 (x32, tiled) / 67.6
 (x8, untiled) were measured.
+A graph compiled with a symbolic length is decided at ``plan_tokens`` tokens (top-level option) where that is
+more than its example length: it serves every later length, the longest too.
 ``True`` or a size in bytes offloads every region that qualifies; ``False`` none. The report gives the prediction
 and the budget at every decision.
 
@@ -44,7 +46,7 @@ import fxfuse.ops.token_tiled  # noqa: F401  (sequence_tiling's op, which the pe
 from fxfuse.graph_utils import node_val
 from fxfuse.registry import register_pass
 
-from ._memory import device_memory, host_memory_available, nbytes
+from ._memory import device_memory, host_memory_available, nbytes, planned_scale
 
 NAME = "checkpoint_offload"
 
@@ -88,6 +90,11 @@ def _is_activation(x: fx.Node) -> bool:
     return isinstance(example, torch.Tensor) and not isinstance(example, torch.nn.Parameter)
 
 
+def _planned_bytes(v: torch.Tensor, ctx) -> int:
+    """``v``'s bytes at the tokens the auto mode plans for (``plan_tokens``, where the length is symbolic)."""
+    return int(nbytes(v) * planned_scale(v, ctx.options.plan_tokens))
+
+
 def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
     """[(call, body, operand index, x)] for every region input that qualifies, regions in graph order; the bytes of
     every region input (the checkpoints, qualifying or not) and the largest; [(call, why)] for the refused."""
@@ -109,9 +116,9 @@ def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
                 continue  # parameters and buffers live on anyway
             if x not in seen:
                 seen.add(x)
-                ckpt_bytes += nbytes(v)
-                largest = max(largest, nbytes(v))
-            if nbytes(v) < min_bytes:
+                ckpt_bytes += _planned_bytes(v, ctx)
+                largest = max(largest, _planned_bytes(v, ctx))
+            if _planned_bytes(v, ctx) < min_bytes:
                 continue
             if set(x.users) != {call}:
                 refused.append((call, f"{x.name} {list(v.shape)} is read outside the region too (it stays on the "
@@ -128,7 +135,7 @@ def _has_tiled_regions(gm: fx.GraphModule) -> bool:
                for _, m in graph_modules(gm) for n in m.graph.nodes)
 
 
-def _predicted_peak(gm: fx.GraphModule, ckpt_bytes: int, largest: int, work_factor: int) -> int:
+def _predicted_peak(gm: fx.GraphModule, ctx, ckpt_bytes: int, largest: int, work_factor: int) -> int:
     """The step's peak as the module docstring says: graph inputs (+3x for trainable parameters), checkpoints, and
     one layer's recompute and backward (work_factor x the largest region input). An activation handed over from an
     earlier graph is counted once, as a checkpoint where it is a region's input (it requires grad, but it has no
@@ -140,7 +147,7 @@ def _predicted_peak(gm: fx.GraphModule, ckpt_bytes: int, largest: int, work_fact
         if not isinstance(v, torch.Tensor):
             continue
         if _is_activation(p):
-            inputs += 0 if p in region_inputs and v.is_floating_point() else nbytes(v)
+            inputs += 0 if p in region_inputs and v.is_floating_point() else _planned_bytes(v, ctx)
         else:
             inputs += nbytes(v) * (4 if v.requires_grad else 1)
     return inputs + ckpt_bytes + work_factor * largest
@@ -175,7 +182,7 @@ def _within_host_budget(ctx, cands):
         return cands
     kept, total = [], 0
     for c in cands:
-        b = nbytes(node_val(c[3]))
+        b = _planned_bytes(node_val(c[3]), ctx)
         if total + b > host:
             ctx.skipped(c[0], _WHAT, f"over the host budget: the {len(kept)} earlier region inputs take "
                         f"{total / 2**30:.1f} GiB of {host / 2**30:.1f} GiB (host_budget)", host_budget_bytes=host)
@@ -221,7 +228,7 @@ def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
         if budget is None:  # a CPU graph and no budget given: nothing to measure against, nothing said
             return 0
         work = ctx.int_option("work_factor", None, 0, "inputs") or (16 if _has_tiled_regions(gm) else 24)
-        predicted = _predicted_peak(gm, ckpt_bytes, largest, work)
+        predicted = _predicted_peak(gm, ctx, ckpt_bytes, largest, work)
         limit = budget * ctx.int_option("fill_pct", None, 1, "percent") // 100
         detail = dict(predicted_bytes=predicted, budget_bytes=budget, limit_bytes=limit)
         if predicted <= limit:
@@ -243,7 +250,7 @@ def checkpoint_offload_pass(gm: fx.GraphModule, ctx) -> int:
             if need <= 0:
                 break
             chosen.append(c)
-            need -= nbytes(node_val(c[3]))
+            need -= _planned_bytes(node_val(c[3]), ctx)
         for c in cands[len(chosen):]:
             ctx.skipped(c[0], _WHAT, f"not needed: offloading the {len(chosen)} earlier region inputs brings the "
                         f"predicted peak within {detail['limit_bytes'] / 2**30:.1f} GiB", **detail)

@@ -2,7 +2,8 @@
 input (issue 32; the op: ``fxfuse/ops/token_tiled.py``).
 
 On by default in ``auto`` mode: a graph's MLPs are tiled when one layer's MLP intermediates and their gradients
-(about six ``[tokens, intermediate]`` tensors at the compile's example length) would take more than
+(about six ``[tokens, intermediate]`` tensors at the compile's example length, or at ``plan_tokens`` tokens, a
+top-level option, where the graph's length is symbolic and that is more) would take more than
 ``share_pct`` (25) percent of the memory budget (the GPU's memory, or ``memory_budget`` bytes); the report says
 what it predicted and against what. ``mode="always"`` tiles every region; ``options={"passes":
 {"sequence_tiling": False}}`` turns it off; ``chunk_tokens`` (8192) sets the chunk. On a CPU without a budget
@@ -38,7 +39,7 @@ from fxfuse.graph_utils import arg, node_val, op_kind, size_hint
 from fxfuse.ops.token_tiled import register_body
 from fxfuse.registry import register_pass
 
-from ._memory import device_memory
+from ._memory import device_memory, planned_scale
 
 NAME = "sequence_tiling"
 _TILED = torch.ops.fxfuse.token_tiled.default
@@ -271,7 +272,8 @@ def sequence_tiling_pass(gm: fx.GraphModule, ctx) -> int:
     # gradients, about six [tokens, intermediate] tensors
     m0, y0, x0, nodes0, _ = max(found, key=lambda f: _tokens_hint(f[2]) * max(_width(n) or 0 for n in f[3]))
     widest = max(_width(n) or 0 for n in nodes0)
-    need = 6 * _tokens_hint(x0) * widest * node_val(y0).element_size()
+    tokens = int(_tokens_hint(x0) * planned_scale(node_val(x0), ctx.options.plan_tokens))  # plan_tokens
+    need = 6 * tokens * widest * node_val(y0).element_size()
     budget = ctx.int_option("memory_budget", None, 0, "bytes") or device_memory(x0)
     share = ctx.int_option("share_pct", None, 0, "percent")
     if mode == "auto":
@@ -280,7 +282,7 @@ def sequence_tiling_pass(gm: fx.GraphModule, ctx) -> int:
         why = None
         if need * 100 <= share * budget:
             why = (f"one layer's MLP intermediates and gradients, ~{need / 2**30:.2f} GiB at "
-                   f"{_tokens_hint(x0)} tokens, are within {share}% of the {budget / 2**30:.1f} GiB budget")
+                   f"{tokens} tokens, are within {share}% of the {budget / 2**30:.1f} GiB budget")
         if why is not None:
             ctx.skipped(y0, "tile a token-wise region over chunks of tokens", f"not needed: {why}",
                         predicted_bytes=need, budget_bytes=budget)

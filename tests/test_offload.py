@@ -131,6 +131,12 @@ def test_bad_values_are_refused_when_given(value):
         fxfuse.compile(torch.nn.Linear(2, 2), options={"offload_activations": value})
 
 
+@pytest.mark.parametrize("value", [0, -5, 1.5, True, "512k"])
+def test_bad_plan_tokens_are_refused(value):
+    with pytest.raises(fxfuse.FxFuseOptionsError, match="plan_tokens"):
+        fxfuse.compile(torch.nn.Linear(2, 2), options={"plan_tokens": value})
+
+
 def _auto_run(model, ids, budget):
     torch._dynamo.reset()
     fxfuse.clear_reports()
@@ -348,3 +354,37 @@ def test_prediction_counts_a_handed_over_activation_once():
     # 3 checkpoints + 24 region inputs of work + at most every weight (the embeddings are in the earlier graph)
     assert predicted <= 27 * region_input + weights + 8192, (predicted, region_input, weights)
     assert predicted >= 27 * region_input, (predicted, region_input)
+
+
+def test_plan_tokens_decides_a_symbolic_length_graph_at_the_planned_length():
+    """A new length every call: Dynamo compiles the second length with a symbolic one, and that graph serves every
+    later length, the longest too. With ``plan_tokens`` its auto modes decide at that many tokens: the static first
+    graph (exactly 40 tokens) needs nothing, the symbolic one offloads and tiles for 100x the tokens; the report
+    says so; the loss and every gradient equal eager's."""
+    model = _checkpointed_model(layers=3)
+    region_input = 2 * 20 * model.config.hidden_size * 4
+    budget = 600 * region_input  # 40 tokens: the prediction fits; 4000 tokens: ~27 x 100 region inputs do not
+    opts = {"compiler": "aot_eager", "plan_tokens": 4000, "pass_options": {
+        "checkpoint_offload": {"memory_budget": budget, "fill_pct": 100, "min_bytes": 1},
+        "sequence_tiling": {"memory_budget": budget * 2}}}
+    fn = torch.compile(model, backend="fxfuse", options=opts)
+    for n in (20, 23, 26):
+        fxfuse.clear_reports()
+        ids = torch.randint(4, 128, (2, n), generator=torch.Generator().manual_seed(n))
+        ref_loss, ref_grads = _eager_grads(model, ids)
+        out = fn(input_ids=ids, labels=ids.clone(), use_cache=False)
+        out.loss.backward()
+        recs = [r for rep in fxfuse.reports() for r in rep.records
+                if r.pass_name in ("checkpoint_offload", "sequence_tiling")]
+        if n == 20:  # static: decided at its own 40 tokens
+            said = {r.pass_name for r in recs if r.status == "skipped" and "not needed" in r.reason}
+            assert said == {"checkpoint_offload", "sequence_tiling"}, [(r.pass_name, r.reason) for r in recs]
+            assert not [r for r in recs if r.status == "fused"]
+        elif n == 23:  # the symbolic graph: decided at 4000 tokens
+            offloaded = [r for r in recs if r.pass_name == "checkpoint_offload" and r.status == "fused"]
+            tiled = [r for r in recs if r.pass_name == "sequence_tiling" and r.status == "fused"]
+            assert offloaded and len(tiled) == 3, [(r.pass_name, r.status, r.reason) for r in recs]
+        torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
+        for name, p in model.named_parameters():
+            assert (p.grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm() + 1e-7, name
+        model.zero_grad()
