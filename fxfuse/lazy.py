@@ -29,6 +29,7 @@ _METADATA = {
     torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.is_cuda.__get__,
     torch.Tensor.layout.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__,
     torch.Tensor.is_sparse.__get__, torch.Tensor.is_quantized.__get__, torch.Tensor.is_meta.__get__,
+    torch.Tensor._base.__get__, torch.Tensor.is_nested.__get__,  # FSDP2's output checks (a lazy tensor is no view)
 }
 
 
@@ -63,6 +64,7 @@ class LazyLogits(torch.Tensor):
         r._fx_args = (hidden, weight, bias, tuple(recipe), weight_transposed)
         r._fx_versions = _versions(hidden, weight, bias)
         r._fx_value = None
+        r._fx_hooks = []  # backward hooks registered before the logits exist: put on them when they do
         return r
 
     def __init__(self, *args, **kwargs):
@@ -91,6 +93,8 @@ class LazyLogits(torch.Tensor):
                     "return real logits.")
             with torch._C.DisableTorchFunctionSubclass():
                 self._fx_value = apply_recipe(h, w, b, recipe, wt)
+            for handle in self._fx_hooks:
+                handle.attach(self._fx_value)
         return self._fx_value
 
     @property
@@ -106,6 +110,13 @@ class LazyLogits(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func is torch.Tensor.register_hook and isinstance(args[0], LazyLogits) and not args[0].materialized:
+            # FSDP2's root registers a pre-backward hook on every output that requires grad: that alone must not
+            # compute [tokens, vocab] logits nobody reads (it did, one eager lm-head matmul per step). A gradient
+            # can only reach these logits once they exist, so the hook goes on them then.
+            handle = _DeferredHook(args[1] if len(args) > 1 else kwargs["hook"])
+            args[0]._fx_hooks.append(handle)
+            return handle
         args, kwargs = tree_map_only(LazyLogits, lambda t: t.materialize(), (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -115,6 +126,22 @@ class LazyLogits(torch.Tensor):
         # Reached only by code that skips __torch_function__ (C++ callers): compute the values, no autograd here.
         args, kwargs = tree_map_only(LazyLogits, lambda t: t.materialize().detach(), (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+class _DeferredHook:
+    """The handle :meth:`LazyLogits.register_hook` returns before the logits exist: ``remove()`` works either way."""
+
+    def __init__(self, hook):
+        self.hook, self.handle, self.removed = hook, None, False
+
+    def attach(self, tensor: torch.Tensor) -> None:
+        if not self.removed and tensor.requires_grad:
+            self.handle = tensor.register_hook(self.hook)
+
+    def remove(self) -> None:
+        self.removed = True
+        if self.handle is not None:
+            self.handle.remove()
 
 
 def _versions(*ts) -> Tuple[int, ...]:

@@ -116,12 +116,15 @@ def _train(rank, world, case):
         else:
             fwd = torch.compile(m, backend="fxfuse", options=AOT)
     opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
-    losses, ops = [], set()
+    losses, ops, logits_computed = [], set(), []
     for ids in _global_batch():
         shard = ids[rank * 2:(rank + 1) * 2]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            loss = fwd(input_ids=shard, labels=shard, use_cache=False).loss
+            out = fwd(input_ids=shard, labels=shard, use_cache=False)
+            loss = out.loss
             loss.backward()
+        # lazy logits nobody read stay uncomputed (FSDP2's root hooks every output that requires grad)
+        logits_computed.append(getattr(out.logits, "materialized", True))
         ops |= {e.name for e in prof.events() if e.name.startswith("fxfuse::")}
         opt.step()
         opt.zero_grad()
@@ -129,7 +132,7 @@ def _train(rank, world, case):
         dist.all_reduce(avg)
         losses.append(avg.item() / world)
     fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused})
-    return {"losses": losses, "ops": sorted(ops), "fused": fused}
+    return {"losses": losses, "ops": sorted(ops), "fused": fused, "logits_computed": logits_computed}
 
 
 def _gloo_worker_threads():
@@ -238,6 +241,7 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     assert got["losses"] == pytest.approx(ref, rel=2e-5), (got, ref)
     missing = {o for o in ops if not any(name.startswith(o) for name in got["ops"])}
     assert not missing, (missing, got)
+    assert not any(got["logits_computed"]), got
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():
