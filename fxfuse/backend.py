@@ -78,8 +78,8 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]):
     from .ops.host_offload import fold_round_trips
 
     def run_as_is(g: fx.GraphModule, _example):
-        if fold_round_trips(g.graph):
-            g.recompile()
+        fold_round_trips(g.graph)
+        g.recompile()  # also where nothing was folded: the host copies' waits may have been added
         return make_boxed_func(g.forward)
 
     return aot_eager(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is)

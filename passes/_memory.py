@@ -25,15 +25,29 @@ def device_memory(node: Any) -> Optional[int]:
 
 
 def host_memory_available() -> Optional[int]:
-    """Bytes of host memory available now (Linux ``MemAvailable``; None where it cannot be read)."""
+    """Bytes of host memory available now: Linux ``MemAvailable`` plus the pinned blocks torch's caching host
+    allocator holds free (a recompile mid-training finds the last step's host copies there, cached, not in
+    ``MemAvailable``). None where ``/proc/meminfo`` cannot be read."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
+                    break
     except OSError:
-        pass
-    return None
+        return None
+    if avail is None:
+        return None
+    try:
+        stats = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
+    except Exception:  # noqa: BLE001  (an older torch, or no CUDA runtime: the kernel's figure alone)
+        stats = {}
+    if "active_bytes.current" in stats:  # owned (handed out + cached) and handed out
+        cached_free = stats.get("allocated_bytes.current", 0) - stats["active_bytes.current"]
+    else:  # the older names
+        cached_free = stats.get("reserved_bytes.current", 0) - stats.get("allocated_bytes.current", 0)
+    return avail + max(0, cached_free)
 
 
 def planned_scale(v: Any, plan_tokens: Optional[int]) -> float:
