@@ -196,9 +196,9 @@ class FxFuseOptions:
                                         or plan_tokens < 1):
             raise FxFuseOptionsError(f"options['plan_tokens'] must be a number of tokens >= 1 (batch x length), "
                                      f"got {_kind(plan_tokens)}")
-        return cls(plan_tokens=plan_tokens, compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
+        return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
-                   offload_mode=offload_mode)
+                   offload_mode=offload_mode, plan_tokens=plan_tokens)
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:
