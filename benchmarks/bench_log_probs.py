@@ -5,10 +5,14 @@ GRPO-style: ``z = (h @ W.T) / T``; per-token ``logp = log_softmax(z)[y]`` and ``
 per-token upstream gradients (advantages for logp, a coefficient for the entropy). Llama-3-8B head (D 4096,
 V 128256), 8 x 2048 completion tokens, bf16, T = 0.7.
 
+Section ``frozen``: the same head frozen (LoRA RL: only the hidden states train), log-probs alone with per-token
+advantages: fxfuse's op forms the hidden gradient per unit upstream gradient in the forward (2 matmuls), next to
+eager, Inductor and the 2-matmul floor.
+
 Section ``grpo``: the whole GRPO token loss (clipped ratio x advantage, completion mask) compiled by Inductor and
 by fxfuse next to Liger's fused GRPO loss.
 
-Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [grpo]
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [frozen] [grpo]
 Writes $OUT/bench_log_probs.jsonl. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
@@ -106,6 +110,50 @@ def time_grpo():
          peak_gib=round(mem, 3))
 
 
+def time_frozen_head():
+    N, D, V = (8 * 2048, 4096, 128256) if not SMOKE else (64, 32, 500)
+    T = 0.7
+    torch.manual_seed(0)
+    h = torch.randn(N, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    W = (torch.randn(V, D, device=DEV) / D ** 0.5).to(torch.bfloat16)  # frozen
+    y = torch.randint(0, V, (N,), device=DEV)
+    adv = torch.randn(N, device=DEV)
+
+    def eager(h):
+        logp = F.log_softmax(F.linear(h, W).float() / T, dim=-1).gather(-1, y[:, None]).squeeze(-1)
+        return -(logp * adv).mean()
+
+    def fused(h):
+        return -(linear_log_probs(h, W, y, temperature=T) * adv).mean()
+
+    impls = {"eager": eager, "inductor": torch.compile(eager), "fxfuse (pass)": torch.compile(eager, backend="fxfuse"),
+             "fxfuse op": fused}
+    ref = None
+    for name, fn in impls.items():
+        def step(fn=fn):
+            h.grad = None
+            fn(h).backward()
+        try:
+            ms, mem = bench(step)
+            step()
+            if ref is None:
+                ref = h.grad.clone()
+            emit(section="logp_frozen", shape="llama3-8b head 8x2048, frozen", impl=name, ms=round(ms, 3),
+                 peak_gib=round(mem, 3), gh_rel=rel(h.grad, ref))
+        except Exception as e:
+            emit(section="logp_frozen", impl=name, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+
+    def floor():  # the logits matmul and the hidden-gradient matmul
+        h.grad = None
+        z = F.linear(h, W)
+        z.backward(z)
+    ms, mem = bench(floor)
+    emit(section="logp_frozen", shape="llama3-8b head 8x2048, frozen", impl="2-matmul floor (cuBLAS)",
+         ms=round(ms, 3), peak_gib=round(mem, 3))
+
+
 def time_grpo_loss():
     """The whole GRPO token loss (TRL's "dapo" form, beta 0, on-policy: ratio = exp(logp - logp.detach())),
     B 8 x 2048 completion tokens with a completion mask, Llama-3-8B head, T 0.7: eager / Inductor / fxfuse
@@ -168,5 +216,7 @@ if __name__ == "__main__":
         check()
     if "time" in secs:
         time_grpo()
+    if "frozen" in secs:
+        time_frozen_head()
     if "grpo" in secs:
         time_grpo_loss()

@@ -169,6 +169,46 @@ def test_only_some_inputs_require_grad_and_no_grad():
     torch.testing.assert_close(h.grad, 2 * g1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 30.0)])
+def test_frozen_head_forms_the_gradient_in_the_forward(dtype, temperature, softcap, path):
+    """A frozen lm-head and log-probs alone: the forward forms d logp / d hidden per unit upstream gradient and
+    the backward only scales it (no backward op, no recompute). Against float64 under random per-token upstream
+    gradients, ragged chunks, peaked rows (logits of tens) and flat ones: no further from it than the recompute
+    path is (2x at most), and exact zeros for a zero upstream gradient; a second backward works."""
+    N, D, V = 29, 24, 61
+    h, W, b, y = make(N, D, V, dtype=dtype, seed=11)
+    W.requires_grad_(False)
+    b.requires_grad_(False)
+    with torch.no_grad():
+        W[:, :4].mul_(6.0)  # some rows peaked
+        h[::3].mul_(0.01)  # some nearly flat
+    g = torch.randn(N)
+    g[5] = 0.0
+    chunk = V * h.element_size() * 4
+    errs = {}
+    for name in ("unit", "recompute"):
+        hh = h.detach().clone().requires_grad_()
+        if name == "recompute":  # the same call with the weight trainable takes the recompute path
+            Wt = W.detach().clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            logp = linear_log_probs(hh, W if name == "unit" else Wt, y, bias=b, temperature=temperature,
+                                    softcap=softcap, chunk_bytes=chunk)
+            (g * logp).sum().backward(retain_graph=True)
+        bwd_ops = [e.name for e in prof.events() if e.name == "fxfuse::linear_log_probs_bwd"]
+        assert bool(bwd_ops) == (name == "recompute"), (name, bwd_ops)
+        rl, _, rh, _, _ = K.logp_reference(hh, W, y, b, temperature=temperature, softcap=softcap, g_logp=g)
+        errs[name] = (rel(logp, rl), rel(hh.grad, rh))
+        if name == "unit":
+            assert torch.all(hh.grad[5] == 0)
+            first = hh.grad.clone()
+            (g * logp).sum().backward()  # saved unit gradient is not consumed
+            torch.testing.assert_close(hh.grad, 2 * first)
+    tol = TOL[dtype]
+    assert errs["unit"][0] <= tol[0] and errs["unit"][1] <= tol[1], errs
+    assert errs["unit"][1] <= 2 * errs["recompute"][1] + 1e-7, errs
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 1 << 30])
 def test_chunk_extremes_and_empty(chunk_bytes, path):
     """1 byte -> one token per chunk; everything in one chunk; N = 0."""
@@ -362,9 +402,13 @@ def test_fake_shapes_and_strides():
             stats = [ent, not ent, ent]  # is_top1, mean_logits, log_sum_sq_probs
             outs = torch.ops.fxfuse.linear_log_probs_fwd(fh, fW, fy, fb, 0.7, 30.0, ent, True, True, True, 0, stats)
             n, m = (12, 0) if ent else (0, 12)
-            # logp, entropy, lse (max, log S), ez, then the statistics
-            assert [tuple(o.shape) for o in outs] == [(12,), (n,), (2, 12), (n,), (n,), (m,), (n,)]
-            assert [o.dtype for o in outs] == [torch.float32] * 4 + [torch.bool] + [torch.float32] * 2
+            # logp, entropy, lse (max, log S), ez, then the statistics, then the unit gradient (not here: W trains)
+            assert [tuple(o.shape) for o in outs] == [(12,), (n,), (2, 12), (n,), (n,), (m,), (n,), (0,)]
+            assert [o.dtype for o in outs] == [torch.float32] * 4 + [torch.bool] + [torch.float32] * 3
+        # a frozen head, log-probs alone: the forward forms d logp / d hidden per unit upstream gradient
+        unit = torch.ops.fxfuse.linear_log_probs_fwd(fh, fW, fy, fb, 0.7, 30.0, False, True, False, False, 0,
+                                                     [False] * 3)[-1]
+        assert unit.shape == (12, 8) and unit.stride() == (8, 1) and unit.dtype == fh.dtype
         gl = torch.empty(12)
         gh, gw, gb = torch.ops.fxfuse.linear_log_probs_bwd(gl, None, fh, fW, fy, fb, outs[2], outs[3], 0.7, 30.0,
                                                            True, True, True, 0)

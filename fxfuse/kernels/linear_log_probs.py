@@ -309,12 +309,19 @@ def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
 
 # ================================================================================================ chunk drivers
 def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
-                 chunk_bytes: int, top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False):
+                 chunk_bytes: int, top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False,
+                 unit_grad: bool = False):
     """hidden [N, D], weight [V, D], index [N] int64, bias [V] or None.
 
     Returns (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0], top1 [N] bool or [0], mean_logits [N] or
-    [0], log_sum_sq_probs [N] or [0]), fp32 but top1; ``lse`` = the row statistics (row 0 the max mx, row 1 ls =
-    log sum exp(z - mx)), ``ez`` = E_p[z] - mx (saved for the entropy gradient); the last three as asked."""
+    [0], log_sum_sq_probs [N] or [0], unit [N, D] or [0]), fp32 but top1 and unit; ``lse`` = the row statistics
+    (row 0 the max mx, row 1 ls = log sum exp(z - mx)), ``ez`` = E_p[z] - mx (saved for the entropy gradient); the
+    statistics as asked.
+
+    ``unit_grad`` (a frozen lm-head, log-probs only): also ``unit`` = d logp_t / d hidden_t for an upstream
+    gradient of 1, in hidden's dtype. The gradient is linear in the per-token upstream gradient g, so the backward
+    is ``g[:, None] * unit``: the chunk that was just projected is turned into d logp / d logits in place and
+    multiplied by W (two matmuls in all, where recomputing in the backward takes three)."""
     N = hidden.shape[0]
     dev = hidden.device
     fwd = _rows_triton_fwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_fwd
@@ -327,13 +334,18 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     mean = torch.empty(N if mean_logits else 0, dtype=torch.float32, device=dev)
     lsq = torch.empty(N if log_sum_sq_probs else 0, dtype=torch.float32, device=dev)
 
+    ones = torch.ones(N if unit_grad else 0, dtype=torch.float32, device=dev)
+    bwd = (_rows_triton_bwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_bwd) if unit_grad else None
+
     def step(buf, s, e):
         fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[:, s:e], ez[s:e] if entropy else None,
             temperature, softcap, top[s:e] if top1 else None, mean[s:e] if mean_logits else None,
             lsq[s:e] if log_sum_sq_probs else None)
+        if unit_grad:  # the same chunk, now with its row statistics: d logp / d logits for g = 1, in place
+            bwd(buf, index[s:e], lse[:, s:e], None, ones[s:e], None, temperature, softcap)
 
-    chunk_loop(hidden, weight, bias, step, False, False, False, chunk_bytes, False)
-    return logp, ent, lse, ez, top.view(torch.bool), mean, lsq
+    unit = chunk_loop(hidden, weight, bias, step, unit_grad, False, False, chunk_bytes, unit_grad)[0]
+    return logp, ent, lse, ez, top.view(torch.bool), mean, lsq, unit
 
 
 def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], hidden, weight, index, bias,

@@ -79,11 +79,20 @@ def linear_log_probs_fwd(
     hidden: Tensor, weight: Tensor, index: Tensor, bias: Optional[Tensor], temperature: float, softcap: float,
     return_entropy: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool, chunk_bytes: int,
     stats: List[bool],
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     check_class_indices(_OP, index, weight.shape[0], None, what="index")
     return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
-                          bool(return_entropy), chunk_budget(chunk_bytes), *map(bool, stats))
+                          bool(return_entropy), chunk_budget(chunk_bytes), *map(bool, stats),
+                          unit_grad=_unit_grad(return_entropy, grad_hidden, grad_weight, grad_bias, bias))
+
+
+def _unit_grad(return_entropy, grad_hidden, grad_weight, grad_bias, bias) -> bool:
+    """A frozen lm-head (LoRA, a reference model's head with trainable hidden states) and log-probs alone: the
+    forward also forms d logp / d hidden per unit upstream gradient (two matmuls in all, the backward then only
+    scales it by the per-token upstream gradient), where recomputing in the backward takes three. With entropy
+    its gradient would need a second such tensor (three matmuls either way): the recompute stays."""
+    return bool(grad_hidden) and not grad_weight and not (grad_bias and bias is not None) and not return_entropy
 
 
 @linear_log_probs_fwd.register_fake
@@ -98,8 +107,9 @@ def _(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hi
     logp = per_token(True)
     lse = hidden.new_empty((2, N), dtype=f32)  # row max, log S
     top1, mean, lsq = stats
+    unit = _unit_grad(return_entropy, grad_hidden, grad_weight, grad_bias, bias)
     return (logp, per_token(return_entropy), lse, per_token(return_entropy), per_token(top1, torch.bool),
-            per_token(mean), per_token(lsq))
+            per_token(mean), per_token(lsq), hidden.new_empty(tuple(hidden.shape) if unit else (0,)))
 
 
 # ================================================================================================ backward op
@@ -124,18 +134,27 @@ def _(grad_logp, grad_entropy, hidden, weight, index, bias, lse, ez, temperature
 def _setup_context(ctx, inputs, output):
     (hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden, grad_weight, grad_bias,
      chunk_bytes, _stats) = inputs
-    logp, ent, lse, ez, top1, mean, lsq = output
-    ctx.mark_non_differentiable(lse, ez, top1, mean, lsq)
+    logp, ent, lse, ez, top1, mean, lsq, unit = output
+    ctx.mark_non_differentiable(lse, ez, top1, mean, lsq, unit)
     # An output nobody uses gets a None grad (not a zeros tensor), so its term is skipped in the row kernel.
     ctx.set_materialize_grads(False)
     ctx.args = (float(temperature), float(softcap))
     ctx.flags = (bool(grad_hidden), bool(grad_weight), bool(grad_bias) and bias is not None)
     ctx.entropy = bool(return_entropy)
     ctx.chunk_bytes = chunk_bytes
-    ctx.save_for_backward(hidden, weight, index, bias, lse, ez)
+    ctx.unit = _unit_grad(return_entropy, grad_hidden, grad_weight, grad_bias, bias)
+    if ctx.unit:  # the backward is g * unit: neither the hidden states nor the weight are needed again
+        ctx.save_for_backward(unit)
+    else:
+        ctx.save_for_backward(hidden, weight, index, bias, lse, ez)
 
 
 def _backward(ctx, g_logp, g_ent, *_no_grad):
+    if ctx.unit:
+        (unit,) = ctx.saved_tensors
+        gh = unit.new_zeros(unit.shape) if g_logp is None else \
+            (g_logp.reshape(-1, 1).float() * unit.float()).to(unit.dtype)
+        return (gh, None, None, None, None, None, None, None, None, None, None, None)
     hidden, weight, index, bias, lse, ez = ctx.saved_tensors
     if not ctx.entropy:
         g_ent = None
@@ -163,7 +182,7 @@ def _linear_log_probs_composite(hidden, weight, index, bias, temperature=1.0, so
                                 chunk_bytes=0, return_is_top1=False, return_mean_logits=False,
                                 return_log_sum_sq_probs=False):
     h2, i1, gh, gw, gb = flatten_and_grad_flags(hidden, weight, index, bias)
-    logp, ent, _lse, _ez, top1, mean, lsq = torch.ops.fxfuse.linear_log_probs_fwd(
+    logp, ent, _lse, _ez, top1, mean, lsq, _unit = torch.ops.fxfuse.linear_log_probs_fwd(
         h2, weight, i1, bias, float(temperature), float(softcap), bool(return_entropy), gh, gw, gb,
         int(chunk_bytes), [bool(return_is_top1), bool(return_mean_logits), bool(return_log_sum_sq_probs)])
     return logp, ent, top1, mean, lsq
@@ -188,7 +207,8 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *, temperatu
     ignore_index: mask the result afterwards), bias [V] or None. Returns ``logp`` fp32 with ``index``'s shape,
     or ``(logp, entropy)`` with ``return_entropy=True``, entropy = -(softmax(z) * log_softmax(z)).sum(-1).
     Backward accepts arbitrary per-token upstream grads for both (advantages, masks, importance ratios) and
-    recomputes the logits chunk by chunk (4 matmuls). ``chunk_bytes`` bounds the logits chunk (default 256 MiB).
+    recomputes the logits chunk by chunk (4 matmuls); with a frozen ``weight`` (and bias) and no entropy, the
+    forward forms the hidden states' gradient per unit upstream gradient instead (2 matmuls in all). ``chunk_bytes`` bounds the logits chunk (default 256 MiB).
     """
     _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap or 0.0)
     logp, ent = torch.ops.fxfuse.linear_log_probs.default(
