@@ -232,13 +232,16 @@ def captured_graphs(monkeypatch):
 
     seen = []
 
-    def keep(gm, _):
-        seen.append(gm)
-        return make_boxed_func(gm.forward)
+    def keeping(compiler):
+        def keep(gm, example_inputs):
+            out = compiler(gm, example_inputs) if compiler is not None else make_boxed_func(gm.forward)
+            seen.append(gm)
+            return out
+        return keep
 
-    def recording_aot_eager(gm, example_inputs):
+    def recording_aot_eager(gm, example_inputs, fw_compiler=None, bw_compiler=None, **kwargs):
         seen.append(gm)
-        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+        return aot_autograd(fw_compiler=keeping(fw_compiler), bw_compiler=keeping(bw_compiler))(gm, example_inputs)
 
     monkeypatch.setattr(dbg, "aot_eager", recording_aot_eager)
     return seen
