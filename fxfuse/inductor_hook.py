@@ -31,7 +31,9 @@ Differences from ``torch.compile(model, backend="fxfuse")``:
   DDP optimizer lack them and are left alone (compile with ``backend="fxfuse"`` there).
 
 The pass composes with a ``pre_grad_custom_pass`` the user set before: both run (theirs first), and
-:func:`uninstall` puts theirs back. A torch without this hook is refused with an :class:`FxFuseError`.
+:func:`uninstall` puts theirs back. The same goes for the one post-partition step fxfuse needs, added to
+``post_grad_custom_post_pass`` (the host-offload round trips folded,
+:func:`fxfuse.ops.host_offload.fold_round_trips`). A torch without this hook is refused with an :class:`FxFuseError`.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import torch
 from . import registry
 from .errors import FxFuseError
 from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
-from .pass_manager import PASSES_RAN, PassManager
+from .pass_manager import PASSES_RAN, PassManager, source_hash
 
 log = logging.getLogger("fxfuse")
 
@@ -137,6 +139,35 @@ def _make_pass_class():
     return FxFusePreGradPass
 
 
+def _make_fold_class():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class FxFusePostGradFold(CustomGraphPass):
+        """The one post-partition step fxfuse needs, as an Inductor post-grad pass: the host-offload round trips
+        folded (:func:`fxfuse.ops.host_offload.fold_round_trips`; under ``backend="fxfuse"`` the backend's own
+        post-grad pass does it)."""
+
+        def __init__(self, previous: Any = None):
+            self.previous = previous  # a user pass set before install() on a torch without pass lists: run first
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            from .ops.host_offload import fold_round_trips
+
+            if self.previous is not None:
+                self.previous(graph)
+            fold_round_trips(graph)
+
+        def uuid(self) -> Any:
+            prev = None
+            if self.previous is not None:
+                prev = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
+                if prev is None:
+                    return None
+            return ("fxfuse-post-grad-fold", source_hash(), prev)
+
+    return FxFusePostGradFold
+
+
 _PASS_CLASS = None
 
 
@@ -187,6 +218,8 @@ class Installation:
 
 _INSTALLED: Optional[Any] = None  # our pass object while installed
 _PREVIOUS: Any = None  # what config.pre_grad_custom_pass held before install()
+_INSTALLED_POST: Optional[Any] = None  # our post-grad fold while installed
+_PREVIOUS_POST: Any = None  # what config.post_grad_custom_post_pass held before install()
 
 
 def _supports_pass_lists() -> bool:
@@ -204,7 +237,7 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
     ``torch._inductor.config.pre_grad_custom_pass`` keeps running, before fxfuse's. Raises :class:`FxFuseError`
     where this torch has no such hook. Returns an :class:`Installation` (also a context manager).
     """
-    global _INSTALLED, _PREVIOUS
+    global _INSTALLED, _PREVIOUS, _INSTALLED_POST, _PREVIOUS_POST
     import torch._inductor.config as ic
 
     from .ops.trl_fused_head import install_trl_shim
@@ -221,14 +254,29 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
     if _INSTALLED is not None and _contains(current, _INSTALLED):
         _INSTALLED.options, _INSTALLED.opts = merged, opts  # re-install: new options, same place
         return Installation(_INSTALLED)
-    if current is not None and _supports_pass_lists():
-        hook = cls(merged, opts)
-        ic.pre_grad_custom_pass = [*current, hook] if isinstance(current, (list, tuple)) else [current, hook]
-    else:
-        hook = cls(merged, opts, previous=current)  # runs the user's pass first itself
-        ic.pre_grad_custom_pass = hook
+    hook = _place("pre_grad_custom_pass", lambda previous: cls(merged, opts, previous=previous))
     _INSTALLED, _PREVIOUS = hook, current
+    if hasattr(ic, "post_grad_custom_post_pass"):
+        post_current = ic.post_grad_custom_post_pass
+        fold_cls = _make_fold_class()
+        _INSTALLED_POST = _place("post_grad_custom_post_pass", lambda previous: fold_cls(previous))
+        _PREVIOUS_POST = post_current
     return Installation(hook)
+
+
+def _place(name: str, make: Any) -> Any:
+    """Add the pass ``make(previous)`` to Inductor's config ``name`` beside what the user set there: in a list where
+    this torch takes lists, else wrapping theirs (it runs it first). Returns the pass."""
+    import torch._inductor.config as ic
+
+    current = getattr(ic, name)
+    if current is not None and _supports_pass_lists():
+        hook = make(None)
+        setattr(ic, name, [*current, hook] if isinstance(current, (list, tuple)) else [current, hook])
+    else:
+        hook = make(current)
+        setattr(ic, name, hook)
+    return hook
 
 
 def _contains(config_value: Any, hook: Any) -> bool:
@@ -245,15 +293,36 @@ def installed() -> bool:
 
 
 def uninstall() -> bool:
-    """Take fxfuse's pass out of Inductor's pre-grad hook; a pass the user had set there before :func:`install`
-    stays (as it was). Returns whether anything was removed."""
-    global _INSTALLED, _PREVIOUS
-    import torch._inductor.config as ic
+    """Take fxfuse's passes out of Inductor's pre-grad (and post-grad) hooks; a pass the user had set there before
+    :func:`install` stays (as it was). Returns whether anything was removed."""
+    global _INSTALLED, _PREVIOUS, _INSTALLED_POST, _PREVIOUS_POST
 
-    hook, previous = _INSTALLED, _PREVIOUS
-    _INSTALLED = _PREVIOUS = None
+    hook, previous, post, post_previous = _INSTALLED, _PREVIOUS, _INSTALLED_POST, _PREVIOUS_POST
+    _INSTALLED = _PREVIOUS = _INSTALLED_POST = _PREVIOUS_POST = None
+    if post is not None:
+        _remove("post_grad_custom_post_pass", post, post_previous)
     if hook is None:
         return False
+    return _remove("pre_grad_custom_pass", hook, previous)
+
+
+def _remove(name: str, hook: Any, previous: Any) -> bool:
+    import torch._inductor.config as ic
+
+    current = getattr(ic, name)
+    if current is hook:
+        setattr(ic, name, hook.previous)
+        return True
+    if isinstance(current, (list, tuple)) and any(p is hook for p in current):
+        rest = [p for p in current if p is not hook]
+        if previous is not None and not isinstance(previous, (list, tuple)) and rest == [previous]:
+            setattr(ic, name, previous)  # exactly what the user had
+        else:
+            setattr(ic, name, type(current)(rest) if rest else None)
+        return True
+    log.warning("fxfuse.uninstall(): torch._inductor.config.%s was changed since fxfuse.install() and no longer "
+                "holds fxfuse's pass; left as it is", name)
+    return False
     current = ic.pre_grad_custom_pass
     if current is hook:
         ic.pre_grad_custom_pass = hook.previous

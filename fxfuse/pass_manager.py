@@ -158,18 +158,20 @@ class PassManager:
 
         from .ops.host_offload import fold_round_trips
 
-        key = self.uuid() if existing is None or isinstance(existing, CustomGraphPass) else None
+        # what was there: nothing, one pass, or (a torch with pass lists) several, fxfuse.install()'s among them
+        before = list(existing) if isinstance(existing, (list, tuple)) else [] if existing is None else [existing]
+        key = self.uuid() if all(isinstance(p, CustomGraphPass) for p in before) else None
 
         class FxFusePostGrad(CustomGraphPass):
             def __call__(self, graph):
-                if existing is not None:
-                    existing(graph)
-                fold_round_trips(graph)
+                for p in before:
+                    p(graph)
+                fold_round_trips(graph)  # idempotent: a second run (install()'s fold ran first) changes nothing
 
             def uuid(self):
                 if key is None:
                     return None
-                return key + ((existing.uuid() if existing is not None else None),)
+                return key + tuple(p.uuid() for p in before)
 
         return FxFusePostGrad()
 

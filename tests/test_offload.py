@@ -388,3 +388,44 @@ def test_plan_tokens_decides_a_symbolic_length_graph_at_the_planned_length():
         for name, p in model.named_parameters():
             assert (p.grad - ref_grads[name]).norm() <= 1e-5 * ref_grads[name].norm() + 1e-7, name
         model.zero_grad()
+
+
+def test_under_install_the_round_trips_are_folded_too():
+    """``fxfuse.install()`` (HF Trainer's ``torch_compile=True``) adds the same post-partition step to Inductor's
+    post-grad passes, beside a user's own pass: the forward writes each host copy once and copies nothing back;
+    uninstall leaves the user's pass alone in place."""
+    import torch._inductor.config as ic
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    ran = []
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            ran.append(1)
+
+        def uuid(self):
+            return "user-post-grad"
+
+    mine, before = UserPass(), ic.post_grad_custom_post_pass
+    ic.post_grad_custom_post_pass = mine
+    try:
+        with fxfuse.install(offload_activations=1):
+            model = _checkpointed_model(layers=3)
+            ids = torch.randint(4, 128, (2, 19), generator=torch.Generator().manual_seed(8))
+            ref_loss, ref_grads = _eager_grads(model, ids)
+            fn = torch.compile(model, backend="inductor")
+            fn(input_ids=ids, labels=ids.clone(), use_cache=False).loss.backward()
+            model.zero_grad()
+            out = {}
+            fwd = _copy_calls(lambda: out.setdefault("o", fn(input_ids=ids, labels=ids.clone(), use_cache=False)))
+            bwd = _copy_calls(lambda: out["o"].loss.backward())
+        assert fwd["to_host"] == 2 and fwd["to_device"] == 0 and bwd == {"to_host": 0, "to_device": 2,
+                                                                         "wait_host_copy": 0}, (fwd, bwd)
+        assert ran, "the user's post-grad pass did not run"
+        assert ic.post_grad_custom_post_pass is mine
+        torch.testing.assert_close(out["o"].loss.detach(), ref_loss, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            assert (p.grad - ref_grads[name]).norm() <= 1e-4 * ref_grads[name].norm() + 1e-7, name
+    finally:
+        fxfuse.uninstall()
+        ic.post_grad_custom_post_pass = before

@@ -187,10 +187,11 @@ def test_compile_with_mode_and_options_folds_the_mode_into_options(inductor_conf
 def clean_hook():
     import torch._inductor.config as ic
 
-    before = ic.pre_grad_custom_pass
+    before, post_before = ic.pre_grad_custom_pass, ic.post_grad_custom_post_pass
     yield ic
     fxfuse.uninstall()
     ic.pre_grad_custom_pass = before
+    ic.post_grad_custom_post_pass = post_before
 
 
 def test_install_checks_options_and_refuses_what_inductor_cannot_do(clean_hook):
@@ -238,6 +239,7 @@ def test_install_composes_with_a_users_pre_grad_pass(clean_hook):
         torch.compile(lambda x: torch.sin(x) * 2)(torch.randn(8))
     assert seen, "the user's pass did not run"
     assert clean_hook.pre_grad_custom_pass is mine  # exactly what the user had
+    assert clean_hook.post_grad_custom_post_pass is None  # the post-grad fold install() added is gone too
     assert not fxfuse.uninstall()
 
 
