@@ -61,22 +61,31 @@ def check():
             traceback.print_exc()
 
 
-def time_grpo():
+def time_head(frozen: bool = False):
+    """GRPO-style log-probs fwd+bwd next to eager, Inductor and the cuBLAS floor. Trainable head (section
+    ``logp``): log-probs and entropy, both with gradients, 3 matmuls at the floor. Frozen head (``logp_frozen``):
+    log-probs alone, only the hidden states take a gradient, 2 matmuls at the floor."""
     N, D, V = (8 * 2048, 4096, 128256) if not SMOKE else (64, 32, 500)
     T = 0.7
+    section, shape = ("logp_frozen", "llama3-8b head 8x2048, frozen") if frozen else ("logp", "llama3-8b head 8x2048")
     torch.manual_seed(0)
     h = torch.randn(N, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    W = (torch.randn(V, D, device=DEV) / D ** 0.5).to(torch.bfloat16).requires_grad_()
+    W = (torch.randn(V, D, device=DEV) / D ** 0.5).to(torch.bfloat16).requires_grad_(not frozen)
     y = torch.randint(0, V, (N,), device=DEV)
     adv = torch.randn(N, device=DEV)
+    grads = [h] if frozen else [h, W]
 
     def eager(h, W):
         lp = F.log_softmax(F.linear(h, W).float() / T, dim=-1)
         logp = lp.gather(-1, y[:, None]).squeeze(-1)
+        if frozen:
+            return -(logp * adv).mean()
         ent = -(lp.exp() * lp).sum(-1)
         return -(logp * adv).mean() - 0.01 * ent.mean()
 
     def fused(h, W):
+        if frozen:
+            return -(linear_log_probs(h, W, y, temperature=T) * adv).mean()
         logp, ent = linear_log_probs(h, W, y, temperature=T, return_entropy=True)
         return -(logp * adv).mean() - 0.01 * ent.mean()
 
@@ -85,73 +94,29 @@ def time_grpo():
     ref = None
     for name, fn in impls.items():
         def step(fn=fn):
-            h.grad = None
-            W.grad = None
+            for t in grads:
+                t.grad = None
             fn(h, W).backward()
         try:
             ms, mem = bench(step)
             step()
             if ref is None:
-                ref = (h.grad.clone(), W.grad.clone())
-            emit(section="logp", shape="llama3-8b head 8x2048", impl=name, ms=round(ms, 3), peak_gib=round(mem, 3),
-                 gh_rel=rel(h.grad, ref[0]), gW_rel=rel(W.grad, ref[1]))
+                ref = [t.grad.clone() for t in grads]
+            errs = {f"{k}_rel": rel(t.grad, r) for k, t, r in zip(("gh", "gW"), grads, ref)}
+            emit(section=section, shape=shape, impl=name, ms=round(ms, 3), peak_gib=round(mem, 3), **errs)
         except Exception as e:
-            emit(section="logp", impl=name, error=f"{type(e).__name__}: {e}"[:300])
+            emit(section=section, impl=name, error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc()
         torch.cuda.empty_cache() if DEV == "cuda" else None
-    # the floor: the logits matmul and the two gradient matmuls, nothing else
-    def floor():
-        h.grad = None
-        W.grad = None
+
+    def floor():  # the logits matmul and the gradient matmuls, nothing else
+        for t in grads:
+            t.grad = None
         z = F.linear(h, W)
         z.backward(z)
     ms, mem = bench(floor)
-    emit(section="logp", shape="llama3-8b head 8x2048", impl="3-matmul floor (cuBLAS)", ms=round(ms, 3),
+    emit(section=section, shape=shape, impl=f"{len(grads) + 1}-matmul floor (cuBLAS)", ms=round(ms, 3),
          peak_gib=round(mem, 3))
-
-
-def time_frozen_head():
-    N, D, V = (8 * 2048, 4096, 128256) if not SMOKE else (64, 32, 500)
-    T = 0.7
-    torch.manual_seed(0)
-    h = torch.randn(N, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    W = (torch.randn(V, D, device=DEV) / D ** 0.5).to(torch.bfloat16)  # frozen
-    y = torch.randint(0, V, (N,), device=DEV)
-    adv = torch.randn(N, device=DEV)
-
-    def eager(h):
-        logp = F.log_softmax(F.linear(h, W).float() / T, dim=-1).gather(-1, y[:, None]).squeeze(-1)
-        return -(logp * adv).mean()
-
-    def fused(h):
-        return -(linear_log_probs(h, W, y, temperature=T) * adv).mean()
-
-    impls = {"eager": eager, "inductor": torch.compile(eager), "fxfuse (pass)": torch.compile(eager, backend="fxfuse"),
-             "fxfuse op": fused}
-    ref = None
-    for name, fn in impls.items():
-        def step(fn=fn):
-            h.grad = None
-            fn(h).backward()
-        try:
-            ms, mem = bench(step)
-            step()
-            if ref is None:
-                ref = h.grad.clone()
-            emit(section="logp_frozen", shape="llama3-8b head 8x2048, frozen", impl=name, ms=round(ms, 3),
-                 peak_gib=round(mem, 3), gh_rel=rel(h.grad, ref))
-        except Exception as e:
-            emit(section="logp_frozen", impl=name, error=f"{type(e).__name__}: {e}"[:300])
-            traceback.print_exc()
-        torch.cuda.empty_cache() if DEV == "cuda" else None
-
-    def floor():  # the logits matmul and the hidden-gradient matmul
-        h.grad = None
-        z = F.linear(h, W)
-        z.backward(z)
-    ms, mem = bench(floor)
-    emit(section="logp_frozen", shape="llama3-8b head 8x2048, frozen", impl="2-matmul floor (cuBLAS)",
-         ms=round(ms, 3), peak_gib=round(mem, 3))
 
 
 def time_grpo_loss():
@@ -215,8 +180,8 @@ if __name__ == "__main__":
     if "check" in secs:
         check()
     if "time" in secs:
-        time_grpo()
+        time_head()
     if "frozen" in secs:
-        time_frozen_head()
+        time_head(frozen=True)
     if "grpo" in secs:
         time_grpo_loss()
