@@ -114,11 +114,12 @@ def _candidates(gm: fx.GraphModule, ctx, min_bytes: int):
             v = node_val(x) if isinstance(x, fx.Node) else None
             if not isinstance(v, torch.Tensor) or not v.is_floating_point() or not _is_activation(x):
                 continue  # parameters and buffers live on anyway
+            b = _planned_bytes(v, ctx)
             if x not in seen:
                 seen.add(x)
-                ckpt_bytes += _planned_bytes(v, ctx)
-                largest = max(largest, _planned_bytes(v, ctx))
-            if _planned_bytes(v, ctx) < min_bytes:
+                ckpt_bytes += b
+                largest = max(largest, b)
+            if b < min_bytes:
                 continue
             if set(x.users) != {call}:
                 refused.append((call, f"{x.name} {list(v.shape)} is read outside the region too (it stays on the "

@@ -87,6 +87,15 @@ def test_host_offload_ops_registrations_and_gradients(op):
     assert torch.autograd.gradcheck(fn, (x,))
 
 
+def test_wait_host_copy_registration_and_no_effect_on_values():
+    """The stream-ordering op changes no value (on a CPU it does nothing): torch.library's checks pass."""
+    h, x = torch.randn(4, 3), torch.randn(4, 3)
+    before = h.clone()
+    torch.library.opcheck(torch.ops.fxfuse.wait_host_copy.default, (h, x))
+    torch.ops.fxfuse.wait_host_copy(h, x)
+    assert torch.equal(h, before)
+
+
 def test_what_the_forward_saves_is_the_host_copy():
     """AOTAutograd's partition: the forward returns the to_host copies as saved values; no to_host input is saved."""
     from torch._functorch.aot_autograd import aot_module_simplified
