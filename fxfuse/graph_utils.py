@@ -70,6 +70,12 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "cumsum": ("input", "dim", "dtype"),
     "diff": ("input", "n", "dim", "prepend", "append"),
     "new_ones": ("input", "size"), "new_zeros": ("input", "size"), "ones": ("size",), "zeros": ("size",),
+    # per-token loss arithmetic (RL losses over log-probs: passes/log_probs_loss.py)
+    "detach": ("input",), "view_as": ("input", "other"),
+    "clamp": ("input", "min", "max"), "minimum": ("input", "other"), "maximum": ("input", "other"),
+    "min": ("input", "other"), "max": ("input", "other"),  # binary only when ``other`` is a tensor
+    "log": ("input",), "log1p": ("input",), "expm1": ("input",), "sigmoid": ("input",), "abs": ("input",),
+    "sqrt": ("input",), "pow": ("input", "exponent"),
 }
 
 _FUNCTIONS: Dict[Any, str] = {
@@ -101,6 +107,10 @@ _FUNCTIONS: Dict[Any, str] = {
     operator.and_: "and", torch.logical_and: "and", torch.bitwise_and: "and",
     operator.or_: "or", torch.logical_or: "or", torch.bitwise_or: "or",
     torch.cumsum: "cumsum", torch.diff: "diff", torch.ones: "ones", torch.zeros: "zeros",
+    torch.detach: "detach", torch.clamp: "clamp", torch.clip: "clamp", torch.minimum: "minimum",
+    torch.maximum: "maximum", torch.min: "min", torch.max: "max", torch.log: "log", torch.log1p: "log1p",
+    torch.expm1: "expm1", torch.sigmoid: "sigmoid", F.sigmoid: "sigmoid", torch.abs: "abs", operator.abs: "abs",
+    torch.sqrt: "sqrt", torch.pow: "pow", operator.pow: "pow",
 }
 
 _METHODS: Dict[str, str] = {
@@ -117,6 +127,9 @@ _METHODS: Dict[str, str] = {
     "__ge__": "ge", "__gt__": "gt", "__eq__": "eq", "__ne__": "ne",
     "logical_and": "and", "bitwise_and": "and", "__and__": "and", "logical_or": "or", "bitwise_or": "or",
     "__or__": "or", "cumsum": "cumsum", "diff": "diff", "new_ones": "new_ones", "new_zeros": "new_zeros",
+    "detach": "detach", "view_as": "view_as", "clamp": "clamp", "clip": "clamp", "minimum": "minimum",
+    "maximum": "maximum", "min": "min", "max": "max", "log": "log", "log1p": "log1p", "expm1": "expm1",
+    "sigmoid": "sigmoid", "abs": "abs", "sqrt": "sqrt", "pow": "pow",
 }
 
 # ops that move or relabel elements but never change a value

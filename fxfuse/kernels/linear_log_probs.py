@@ -66,6 +66,7 @@ if HAVE_TRITON:
 __all__ = [
     "FORCE_TRITON",
     "logp_forward",
+    "logp_forward_with_grads",
     "logp_backward",
     "logp_reference",
     "logp_stats_reference",
@@ -322,30 +323,55 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     gradient of 1, in hidden's dtype. The gradient is linear in the per-token upstream gradient g, so the backward
     is ``g[:, None] * unit``: the chunk that was just projected is turned into d logp / d logits in place and
     multiplied by W (two matmuls in all, where recomputing in the backward takes three)."""
+    ones = torch.ones(hidden.shape[0] if unit_grad else 0, dtype=torch.float32, device=hidden.device)
+    out = logp_forward_with_grads(hidden, weight, index, bias, temperature, softcap, entropy, chunk_bytes,
+                                  (lambda s, e, logp, ent: (ones[s:e], None)) if unit_grad else None,
+                                  unit_grad, False, False, top1, mean_logits, log_sum_sq_probs)
+    return out[:7] + (out[7],)
+
+
+def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
+                            chunk_bytes: int, chunk_grads, need_gh: bool, need_gw: bool, need_gb: bool,
+                            top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False):
+    """The forward chunk loop, optionally forming gradients as it goes.
+
+    ``chunk_grads(start, end, logp, ent) -> (g_logp, g_ent)``, called once per token chunk right after the chunk's
+    row statistics are written (``logp`` / ``ent``: the [N] outputs, filled up to ``end``), gives the chunk's
+    per-token upstream gradients ([end - start] fp32, either None); the chunk is then turned into d / d logits in
+    place and multiplied out (grad_hidden rows, grad_weight / grad_bias accumulated): the backward's matmuls in the
+    forward, no recomputation of the logits. Returns the :func:`logp_forward` outputs but ``unit``, then
+    (grad_hidden, grad_weight, grad_bias) (empty [0] tensors for those not asked for)."""
     N = hidden.shape[0]
     dev = hidden.device
-    fwd = _rows_triton_fwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_fwd
+    triton_rows = use_triton(hidden, FORCE_TRITON)
+    fwd = _rows_triton_fwd if triton_rows else _rows_torch_fwd
+    bwd = _rows_triton_bwd if triton_rows else _rows_torch_bwd
     index = index.contiguous()
-    logp = torch.empty(N, dtype=torch.float32, device=dev)
+    # zeros, not empty: the chunk_grads callback may read the rows past ``end`` (they must hold finite values)
+    logp = torch.zeros(N, dtype=torch.float32, device=dev)
     lse = torch.empty((2, N), dtype=torch.float32, device=dev)
-    ent = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
+    ent = torch.zeros(N if entropy else 0, dtype=torch.float32, device=dev)
     ez = torch.empty(N if entropy else 0, dtype=torch.float32, device=dev)
     top = torch.empty(N if top1 else 0, dtype=torch.uint8, device=dev)
     mean = torch.empty(N if mean_logits else 0, dtype=torch.float32, device=dev)
     lsq = torch.empty(N if log_sum_sq_probs else 0, dtype=torch.float32, device=dev)
 
-    ones = torch.ones(N if unit_grad else 0, dtype=torch.float32, device=dev)
-    bwd = (_rows_triton_bwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_bwd) if unit_grad else None
-
     def step(buf, s, e):
         fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[:, s:e], ez[s:e] if entropy else None,
             temperature, softcap, top[s:e] if top1 else None, mean[s:e] if mean_logits else None,
             lsq[s:e] if log_sum_sq_probs else None)
-        if unit_grad:  # the same chunk, now with its row statistics: d logp / d logits for g = 1, in place
-            bwd(buf, index[s:e], lse[:, s:e], None, ones[s:e], None, temperature, softcap)
+        if chunk_grads is not None:  # the same chunk, now with its row statistics: d / d logits, in place
+            g_logp, g_ent = chunk_grads(s, e, logp, ent)
+            if g_ent is not None and not entropy:
+                raise ValueError("an entropy gradient without the entropy")
+            if g_logp is None and g_ent is None:
+                g_logp = torch.zeros(e - s, dtype=torch.float32, device=dev)
+            bwd(buf, index[s:e], lse[:, s:e], ez[s:e] if g_ent is not None else None, g_logp, g_ent,
+                temperature, softcap)
 
-    unit = chunk_loop(hidden, weight, bias, step, unit_grad, False, False, chunk_bytes, unit_grad)[0]
-    return logp, ent, lse, ez, top.view(torch.bool), mean, lsq, unit
+    need_gb = need_gb and bias is not None
+    grads = chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, chunk_grads is not None)
+    return (logp, ent, lse, ez, top.view(torch.bool), mean, lsq) + tuple(grads)
 
 
 def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], hidden, weight, index, bias,

@@ -62,7 +62,7 @@ _OP = "fxfuse::linear_log_probs"
 
 
 # ================================================================================================ contract
-def _check_linear_log_probs(hidden, weight, index, bias=None, temperature=1.0, softcap=0.0):
+def check_linear_log_probs(hidden, weight, index, bias=None, temperature=1.0, softcap=0.0):
     """The op's contract, one place for the public function, the fake impl and the real impl (the lm-head
     operand checks are shared with the other lm-head ops through ``OpContract.lm_head_operands``)."""
     c = OpContract(_OP, hidden=hidden, weight=weight, index=index, bias=bias)
@@ -80,7 +80,7 @@ def linear_log_probs_fwd(
     return_entropy: bool, grad_hidden: bool, grad_weight: bool, grad_bias: bool, chunk_bytes: int,
     stats: List[bool],
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
+    check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     check_class_indices(_OP, index, weight.shape[0], None, what="index")
     return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
                           bool(return_entropy), chunk_budget(chunk_bytes), *map(bool, stats),
@@ -98,7 +98,7 @@ def _unit_grad(return_entropy, grad_hidden, grad_weight, grad_bias, bias) -> boo
 @linear_log_probs_fwd.register_fake
 def _(hidden, weight, index, bias, temperature, softcap, return_entropy, grad_hidden, grad_weight, grad_bias,
       chunk_bytes, stats):
-    _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
+    check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     N = hidden.shape[0]
     f32 = torch.float32
 
@@ -210,7 +210,7 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *, temperatu
     recomputes the logits chunk by chunk (4 matmuls); with a frozen ``weight`` (and bias) and no entropy, the
     forward forms the hidden states' gradient per unit upstream gradient instead (2 matmuls in all). ``chunk_bytes`` bounds the logits chunk (default 256 MiB).
     """
-    _check_linear_log_probs(hidden, weight, index, bias, temperature, softcap or 0.0)
+    check_linear_log_probs(hidden, weight, index, bias, temperature, softcap or 0.0)
     logp, ent = torch.ops.fxfuse.linear_log_probs.default(
         hidden, weight, index, bias, float(temperature), float(softcap or 0.0), bool(return_entropy),
         int(chunk_bytes or 0))[:2]

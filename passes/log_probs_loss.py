@@ -1,0 +1,286 @@
+"""Give a fused log-probs site its loss: the lm-head gradient formed in the forward (``fxfuse::linear_log_probs_loss``).
+
+Runs after ``linear_log_probs``. Where the graph also computes the loss from the op's log-probs (and entropy), as
+an RL step compiled with its loss does (GRPO / DAPO: ``-min(ratio * A, clip(ratio) * A)``, masked, summed and
+divided by the token count; a policy-gradient term minus an entropy bonus), the per-token upstream gradients are
+known in the forward, chunk by chunk, if every token's gradient depends on that token's values only. Then the op
+can form the lm-head gradient right after each chunk's log-probs: the logits are projected once (3 matmuls with a
+trainable head, 2 with a frozen one) instead of once more in the backward.
+
+What the pass proves, on the nodes downstream of the op's log-probs / entropy outputs (the *tail*):
+
+* each is **token-wise** (same shape as the log-probs it reads, element for element: pointwise arithmetic,
+  comparisons, ``where``, ``detach``, casts, and reshapes that keep the element order, with anything else it reads
+  computed without the log-probs: advantages, masks, old log-probs, clip bounds), or
+* **linear** in token-wise values (sums and means over any dims, negation, adding such values, multiplying or
+  dividing them by values computed without the log-probs);
+* exactly one graph output depends on them with a gradient: a 0-dim loss. Other outputs read them only detached.
+
+Then d loss / d logp_t and d loss / d H_t depend on token t's values alone, and running the tail on the log-probs
+written so far (zeros past the chunk) gives the chunk's exactly. Anything else (a sequence-level loss through a
+nonlinear function of a sum, as DPO's ``logsigmoid`` of summed log-ratios; a quantile over the entropies; the
+op's other statistics read; the loss returned per token) is left as it is, with the reason in the report. Values
+the tail reads that the graph computes after the op (the token count) are moved before it when they are pure.
+
+The rewrite: the op becomes ``fxfuse::linear_log_probs_loss(..., tail, tail_tensors, tail_ints)`` (its log-probs and
+entropy are now values only), the graph keeps computing the loss's value from them, and the loss output becomes
+``loss + carrier``: the op's 0-dim zero whose backward hands the forward's gradients, scaled by the loss's upstream
+gradient, to the lm-head. Gradients of the other inputs the loss reads flow through the graph's own ops as before.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
+import fxfuse.ops.log_probs_loss  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs_loss)
+from fxfuse.fx_program import ProgramError, dump_graph
+from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, copy_node_meta, known_true, node_val, op_kind
+from fxfuse.registry import register_pass
+
+NAME = "log_probs_loss"
+
+# token-wise: the value at token t reads token t's values (and values computed without the log-probs) only
+_POINTWISE = frozenset({
+    "mul", "div", "add", "sub", "neg", "exp", "tanh", "cast", "detach", "clamp", "minimum", "maximum", "log",
+    "log1p", "expm1", "sigmoid", "abs", "sqrt", "pow", "where", "masked_fill", "lt", "le", "gt", "ge", "eq", "ne",
+    "and", "or", "logical_not", "invert",
+})
+_RESHAPES = SHAPE_ONLY_KINDS | {"view_as"}     # keep the row-major element order: token t stays element t
+_NO_GRAD = frozenset({"detach", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "logical_not", "invert"})
+_REDUCTIONS = frozenset({"sum", "mean"})
+_TOKENWISE, _LINEAR = "token-wise", "linear"
+
+
+def _is_tensor(n) -> bool:
+    return isinstance(node_val(n), torch.Tensor)
+
+
+def _same_shape(a, b) -> bool:
+    va, vb = node_val(a), node_val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() == vb.dim()
+            and all(known_true(x == y) for x, y in zip(va.shape, vb.shape)))
+
+
+def _same_numel(a, b) -> bool:
+    va, vb = node_val(a), node_val(b)
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and known_true(va.numel() == vb.numel())
+
+
+def _classify(n: fx.Node, cone_ins: List[fx.Node], state: Dict[fx.Node, str]) -> Tuple[Optional[str], str]:
+    """(token-wise | linear | None, why) for a tail node whose inputs in the tail are ``cone_ins``."""
+    kind = op_kind(n)
+    what = kind or str(n.target)
+    if not _is_tensor(n):
+        return None, f"{n.name} ({what}) does not give a tensor"
+    if kind in ("min", "max") and not (isinstance(arg(n, "other"), fx.Node) and _is_tensor(arg(n, "other"))):
+        kind = "reduce-" + kind  # torch.min(x) / x.max(dim): a reduction over tokens, not a binary min
+    if all(state[i] == _TOKENWISE for i in cone_ins):
+        if kind in _RESHAPES and len(cone_ins) == 1 and _same_numel(n, cone_ins[0]):
+            return _TOKENWISE, ""
+        if (kind in _POINTWISE or kind in ("min", "max")) and all(_same_shape(n, i) for i in cone_ins):
+            return _TOKENWISE, ""
+    if kind in _REDUCTIONS | _RESHAPES | {"neg", "cast", "expand"} and len(cone_ins) == 1 \
+            and arg(n, "input") is cone_ins[0]:
+        return _LINEAR, ""
+    if kind in ("add", "sub"):
+        return _LINEAR, ""  # a sum of tail values (and of values without the log-probs): linear
+    if kind == "mul" and len(cone_ins) == 1 and _flat_nodes((n.args, n.kwargs)).count(cone_ins[0]) == 1:
+        return _LINEAR, ""
+    if kind == "div" and len(cone_ins) == 1 and arg(n, "input") is cone_ins[0] \
+            and cone_ins[0] not in _flat_nodes(arg(n, "other")) and arg(n, "rounding_mode") is None:
+        return _LINEAR, ""
+    return None, (f"{n.name} ({what}) is neither token-wise in the log-probs nor linear in token-wise values: "
+                  "each token's gradient would depend on other tokens")
+
+
+class _Tail:
+    def __init__(self, op: fx.Node):
+        self.op = op
+        self.roots: Dict[int, fx.Node] = {}   # output index -> getitem
+        self.nodes: List[fx.Node] = []        # the tail, in graph order
+        self.loss: Optional[fx.Node] = None
+        self.tensors: List[fx.Node] = []      # what else the tail reads
+        self.ints: List[fx.Node] = []
+
+
+def _find_tail(g: fx.Graph, op: fx.Node) -> Tuple[Optional[_Tail], str]:
+    t = _Tail(op)
+    for u in op.users:
+        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
+            return None, "the op's other statistics are read"
+        t.roots[u.args[1]] = u
+    order = {n: i for i, n in enumerate(g.nodes)}
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    cone: Set[fx.Node] = set(t.roots.values())
+    stack = list(cone)
+    while stack:
+        for u in stack.pop().users:
+            if u is not out_node and u not in cone:
+                cone.add(u)
+                stack.append(u)
+    nodes = sorted(cone, key=order.__getitem__)
+    # which tail values carry a gradient of the log-probs (structurally: an op not known to stop it passes it on)
+    grad: Dict[fx.Node, bool] = {}
+    for n in nodes:
+        grad[n] = n in t.roots.values() or (op_kind(n) not in _NO_GRAD
+                                           and any(grad.get(i, False) for i in n.all_input_nodes))
+    losses = {n for n in _flat_nodes(out_node.args) if n in cone and grad[n]}
+    if not losses:
+        return None, "no graph output takes a gradient through the log-probs (the loss is computed elsewhere)"
+    if len(losses) > 1:
+        return None, "more than one graph output takes a gradient through the log-probs"
+    t.loss = losses.pop()
+    lv = node_val(t.loss)
+    if not isinstance(lv, torch.Tensor) or lv.dim() != 0 or not lv.dtype.is_floating_point:
+        return None, f"the output with a gradient through the log-probs is not one loss value ({t.loss.name})"
+    # Only what the loss reads must be proven (metrics beside it, detached, may be anything).
+    needed: Set[fx.Node] = set()
+    stack = [t.loss]
+    while stack:
+        n = stack.pop()
+        if n in cone and n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    t.nodes = [n for n in nodes if n in needed]
+    state: Dict[fx.Node, str] = {}
+    for n in t.nodes:
+        if n in t.roots.values():
+            state[n] = _TOKENWISE
+            continue
+        if n.op not in ("call_function", "call_method"):
+            return None, f"{n.name} is a {n.op}"
+        cone_ins = [i for i in n.all_input_nodes if i in cone]
+        s, why = _classify(n, cone_ins, state)
+        if s is None:
+            return None, why
+        state[n] = s
+        for i in n.all_input_nodes:
+            if i in cone or i in t.tensors or i in t.ints:
+                continue
+            v = node_val(i)
+            if isinstance(v, torch.Tensor):
+                t.tensors.append(i)
+            elif isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+                t.ints.append(i)
+            else:
+                return None, f"the loss reads {i.name}, neither a tensor nor an integer"
+    if state[t.loss] != _LINEAR:
+        return None, "the loss is not a sum over tokens"
+    return t, ""
+
+
+def _flat_nodes(a) -> List[fx.Node]:
+    out: List[fx.Node] = []
+    fx.node.map_arg(a, lambda n: out.append(n) or n)
+    return out
+
+
+def _tail_program(t: _Tail) -> str:
+    """The loss as ``f(logp [N], entropy [N] or [0], *tensors, *ints)``, text for the op."""
+    g = fx.Graph()
+    env: Dict[fx.Node, fx.Node] = {}
+    for i, name in ((0, "logp"), (1, "entropy")):
+        ph = g.placeholder(name)
+        if i in t.roots:
+            env[t.roots[i]] = ph
+    for j, n in enumerate(t.tensors):
+        env[n] = g.placeholder(f"tensor{j}")
+    for j, n in enumerate(t.ints):
+        env[n] = g.placeholder(f"int{j}")
+    for n in t.nodes:
+        if n not in env:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(env[t.loss])
+    g.eliminate_dead_code()
+    return dump_graph(g)
+
+
+def _hoist(g: fx.Graph, op: fx.Node, needed: List[fx.Node]) -> str:
+    """Move the values the tail reads that the graph computes after ``op`` (and what they need) before it. They do
+    not read the op (the tail's inputs never do), so the order stays topological. '' or why not."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    pos = order[op]
+    late: Set[fx.Node] = set()
+    stack = [n for n in needed if order[n] > pos]
+    while stack:
+        n = stack.pop()
+        if n in late:
+            continue
+        if n.op not in ("call_function", "call_method") or n.is_impure() or _mutates(n):
+            return f"{n.name}, read by the loss, is computed after the op and cannot move ({n.op} {n.target})"
+        late.add(n)
+        stack.extend(i for i in n.all_input_nodes if order[i] > pos)
+    for n in sorted(late, key=order.__getitem__):
+        op.prepend(n)
+    return ""
+
+
+def _mutates(n: fx.Node) -> bool:
+    name = getattr(n.target, "__name__", str(n.target))
+    return (name.endswith("_") and not name.endswith("__")) or "rand" in name or "dropout" in name \
+        or "bernoulli" in name
+
+
+def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
+    g = gm.graph
+    what = "log-probs loss"
+    if len(op.args) > 8 and any(op.args[8:]):
+        ctx.skipped(op, what, "the op's other statistics are asked for")
+        return False
+    hv, wv = node_val(op.args[0]), node_val(op.args[1])
+    bv = node_val(op.args[3]) if isinstance(op.args[3], fx.Node) else None
+    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in (hv, wv, bv)):
+        return False  # nothing takes a gradient: nothing to form in the forward
+    t, why = _find_tail(g, op)
+    if t is None:
+        ctx.skipped(op, what, f"left to the backward (4 matmuls with a trainable head): {why}")
+        return False
+    try:
+        program = _tail_program(t)
+    except ProgramError as e:
+        ctx.skipped(op, what, f"the loss cannot travel to the op: {e}")
+        return False
+    why = _hoist(g, op, t.tensors + t.ints)
+    if why:
+        ctx.skipped(op, what, why)
+        return False
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    with g.inserting_before(op):
+        new = g.call_function(torch.ops.fxfuse.linear_log_probs_loss.default,
+                              tuple(op.args[:8]) + (program, list(t.tensors), list(t.ints)))
+        copy_node_meta(new, op)
+    for i, r in t.roots.items():
+        r.args = (new, i)
+    g.erase_node(op)
+    with g.inserting_before(out_node):
+        carrier = g.call_function(operator.getitem, (new, 2))
+        if node_val(t.loss).dtype != torch.float32:
+            carrier = g.call_method("to", (carrier, node_val(t.loss).dtype))
+        loss = g.call_function(operator.add, (t.loss, carrier))
+        copy_node_meta(loss, t.loss)
+    out_node.args = fx.node.map_arg(out_node.args, lambda n: loss if n is t.loss else n)
+    trainable = isinstance(wv, torch.Tensor) and wv.requires_grad
+    ctx.fused(new, f"{what}: lm-head gradient formed in the forward ({len(t.nodes)} loss nodes, "
+                   f"{'3' if trainable else '2'} matmuls instead of {'4' if trainable else '3'})",
+              entropy=1 in t.roots, loss_inputs=[n.name for n in t.tensors + t.ints])
+    return True
+
+
+@register_pass(name=NAME,
+               description="fxfuse::linear_log_probs + a per-token loss in the same graph -> the lm-head gradient "
+                           "formed in the forward (fxfuse::linear_log_probs_loss)")
+def log_probs_loss_pass(gm: fx.GraphModule, ctx) -> int:
+    count = 0
+    for mod in ctx.graph_modules(gm):
+        changed = 0
+        for node in list(mod.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.fxfuse.linear_log_probs.default:
+                changed += _rewrite(mod, node, ctx)
+        if changed:
+            mod.recompile()
+        count += changed
+    return count
