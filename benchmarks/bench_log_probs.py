@@ -9,6 +9,9 @@ Section ``frozen``: the same head frozen (LoRA RL: only the hidden states train)
 advantages: fxfuse's op forms the hidden gradient per unit upstream gradient in the forward (2 matmuls), next to
 eager, Inductor and the 2-matmul floor.
 
+The "fxfuse (pass)" rows compile the loss with the head, so the ``log_probs_loss`` pass forms the lm-head gradient in
+the forward (3 matmuls with a trainable head, 2 frozen); "log_probs_loss off" is the same compile without it.
+
 Section ``grpo``: the whole GRPO token loss (clipped ratio x advantage, completion mask) compiled by Inductor and
 by fxfuse next to Liger's fused GRPO loss.
 
@@ -32,6 +35,9 @@ from fxfuse.kernels import linear_log_probs as K  # noqa: E402
 from fxfuse.ops import linear_log_probs  # noqa: E402
 
 emit = jsonl_emitter("bench_log_probs.jsonl")
+# The loss in the same graph lets the log_probs_loss pass form the lm-head gradient in the forward; with it off the
+# op's backward projects the logits again (the row beside it shows what the pass saves).
+LOSS_PASS_OFF = {"passes": {"log_probs_loss": False}}
 
 
 def check():
@@ -90,6 +96,7 @@ def time_head(frozen: bool = False):
         return -(logp * adv).mean() - 0.01 * ent.mean()
 
     impls = {"eager": eager, "inductor": torch.compile(eager), "fxfuse (pass)": torch.compile(eager, backend="fxfuse"),
+             "fxfuse (pass, log_probs_loss off)": torch.compile(eager, backend="fxfuse", options=LOSS_PASS_OFF),
              "fxfuse op": fused}
     ref = None
     for name, fn in impls.items():
@@ -141,7 +148,8 @@ def time_grpo_loss():
         per_tok = -torch.min(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps) * a)
         return (per_tok * mask).sum() / mask.sum().clamp(min=1.0)
 
-    impls = {"eager": grpo, "inductor": torch.compile(grpo), "fxfuse (pass)": torch.compile(grpo, backend="fxfuse")}
+    impls = {"eager": grpo, "inductor": torch.compile(grpo), "fxfuse (pass)": torch.compile(grpo, backend="fxfuse"),
+             "fxfuse (pass, log_probs_loss off)": torch.compile(grpo, backend="fxfuse", options=LOSS_PASS_OFF)}
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         lig = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", temperature=T,
