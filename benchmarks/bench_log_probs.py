@@ -15,11 +15,12 @@ the forward (3 matmuls with a trainable head, 2 frozen); "log_probs_loss off" is
 Section ``grpo``: the whole GRPO token loss (clipped ratio x advantage, completion mask) compiled by Inductor and
 by fxfuse next to Liger's fused GRPO loss.
 
-Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [frozen] [grpo]
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [frozen] [grpo] [profile]
 Writes $OUT/bench_log_probs.jsonl. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -38,6 +39,26 @@ emit = jsonl_emitter("bench_log_probs.jsonl")
 # The loss in the same graph lets the log_probs_loss pass form the lm-head gradient in the forward; with it off the
 # op's backward projects the logits again (the row beside it shows what the pass saves).
 LOSS_PASS_OFF = {"passes": {"log_probs_loss": False}}
+CHUNK_1G = {"pass_options": {"linear_log_probs": {"chunk_bytes": 1 << 30}}}
+PROFILE = "profile" in sys.argv[1:]  # also profile the "fxfuse (pass)" rows: where the GPU time goes
+
+
+def profile_step(section, name, step, steps=3):
+    """GPU time of ``steps`` calls by kernel kind and the top kernels (trace_summary), as one row."""
+    if DEV != "cuda":
+        return
+    import tempfile
+
+    from trace_summary import summarize
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    emit(section=section + "_profile", impl=name, **summarize(trace, steps=steps, top=12))
 
 
 def check():
@@ -97,6 +118,7 @@ def time_head(frozen: bool = False):
 
     impls = {"eager": eager, "inductor": torch.compile(eager), "fxfuse (pass)": torch.compile(eager, backend="fxfuse"),
              "fxfuse (pass, log_probs_loss off)": torch.compile(eager, backend="fxfuse", options=LOSS_PASS_OFF),
+             "fxfuse (pass, 1 GiB chunks)": torch.compile(eager, backend="fxfuse", options=CHUNK_1G),
              "fxfuse op": fused}
     ref = None
     for name, fn in impls.items():
@@ -111,6 +133,8 @@ def time_head(frozen: bool = False):
                 ref = [t.grad.clone() for t in grads]
             errs = {f"{k}_rel": rel(t.grad, r) for k, t, r in zip(("gh", "gW"), grads, ref)}
             emit(section=section, shape=shape, impl=name, ms=round(ms, 3), peak_gib=round(mem, 3), **errs)
+            if PROFILE and name == "fxfuse (pass)":
+                profile_step(section, name, step)
         except Exception as e:
             emit(section=section, impl=name, error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc()
@@ -149,7 +173,8 @@ def time_grpo_loss():
         return (per_tok * mask).sum() / mask.sum().clamp(min=1.0)
 
     impls = {"eager": grpo, "inductor": torch.compile(grpo), "fxfuse (pass)": torch.compile(grpo, backend="fxfuse"),
-             "fxfuse (pass, log_probs_loss off)": torch.compile(grpo, backend="fxfuse", options=LOSS_PASS_OFF)}
+             "fxfuse (pass, log_probs_loss off)": torch.compile(grpo, backend="fxfuse", options=LOSS_PASS_OFF),
+             "fxfuse (pass, 1 GiB chunks)": torch.compile(grpo, backend="fxfuse", options=CHUNK_1G)}
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         lig = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="dapo", temperature=T,
@@ -173,6 +198,8 @@ def time_grpo_loss():
             ms, mem = bench(step)
             emit(section="grpo", shape=f"llama3-8b head {B}x{L} dapo loss", impl=name, ms=round(ms, 3),
                  peak_gib=round(mem, 3), **errs)
+            if PROFILE and name in ("fxfuse (pass)", "inductor"):
+                profile_step("grpo", name, step)
         except Exception as e:
             emit(section="grpo", impl=name, error=f"{type(e).__name__}: {e}"[:300])
             traceback.print_exc()
@@ -180,7 +207,7 @@ def time_grpo_loss():
 
 
 if __name__ == "__main__":
-    secs = sys.argv[1:] or ["check", "time"]
+    secs = [a for a in sys.argv[1:] if a != "profile"] or ["check", "time"]
     if DEV == "cuda":
         import triton
 
