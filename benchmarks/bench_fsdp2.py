@@ -33,6 +33,55 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+# Compile-time phases of the first step worth a line each (torch._dynamo.utils.compile_times, seconds summed over
+# every graph of the process): tracing, fxfuse's and Inductor's passes, lowering, Triton codegen, waits.
+_PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+           "create_aot_dispatcher_function", "compile_fx.<locals>.fw_compiler_base", "compile_fx_inner",
+           "GraphLowering.codegen", "PyCodeCache.load_by_key_path", "async_compile.wait", "compile_file",
+           "_recursive_joint_graph_passes", "build_guards")
+
+
+class _TritonJitTimer:
+    """Seconds this process spends in Triton's compiler (fxfuse's kernels at each new specialisation, and Inductor's
+    if it compiles in-process; its worker pool's time shows as ``async_compile.wait``), by kernel name."""
+
+    def __init__(self):
+        self.by_kernel = {}
+
+    def install(self):
+        import triton.compiler
+
+        compile_fn = triton.compiler.compile  # JITFunction reads it from triton.compiler at its first launch
+
+        def timed(src, *a, **k):
+            t = time.perf_counter()
+            try:
+                return compile_fn(src, *a, **k)
+            finally:
+                name = getattr(getattr(src, "fn", None), "__name__", None) or getattr(src, "name", "?")
+                n, sec = self.by_kernel.get(name, (0, 0.0))
+                self.by_kernel[name] = (n + 1, sec + time.perf_counter() - t)
+
+        triton.compiler.compile = timed
+
+    def summary(self):
+        top = sorted(self.by_kernel.items(), key=lambda kv: -kv[1][1])
+        return dict(triton_jit_s=round(sum(s for _, s in self.by_kernel.values()), 2),
+                    triton_jit_kernels={k: [n, round(s, 2)] for k, (n, s) in top[:12]})
+
+
+def first_step_breakdown(timer):
+    h, v = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    phases = {k: round(float(x), 2) for k, x in zip(h, v) if k in _PHASES}
+    out = dict(compile_phases_s=phases, **(timer.summary() if timer else {}))
+    try:
+        import fxfuse
+
+        out["fxfuse_passes_s"] = round(sum(r.total_pass_ms for r in fxfuse.reports()) / 1e3, 2)
+    except Exception:  # noqa: BLE001  (a row without it is still a row)
+        pass
+    return out
+
 
 def main(impl):
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -45,6 +94,14 @@ def main(impl):
 
     import fxfuse
 
+    timer = None
+    if dev.type == "cuda":
+        timer = _TritonJitTimer()
+        try:
+            timer.install()
+        except Exception as e:  # noqa: BLE001  (another Triton: the row says why the count is missing)
+            print(f"no Triton JIT timing: {type(e).__name__}: {e}", flush=True)
+            timer = None
     small = dev.type == "cpu"
     shape = os.environ.get("FSDP_SHAPE", "1b")
     n_layers = int(os.environ.get("FSDP_LAYERS", 16))
@@ -113,6 +170,7 @@ def main(impl):
     t0 = time.perf_counter()
     l0 = step().item()
     first = time.perf_counter() - t0
+    breakdown = first_step_breakdown(timer)
     for _ in range(2):
         step()
     sync()
@@ -134,7 +192,7 @@ def main(impl):
                step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
-               rows=B, padded=mask is not None)
+               rows=B, padded=mask is not None, first_step=breakdown)
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
 
