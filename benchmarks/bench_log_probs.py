@@ -51,14 +51,27 @@ def profile_step(section, name, step, steps=3):
 
     from trace_summary import summarize
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+    before = torch.cuda.memory_stats()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
-    emit(section=section + "_profile", impl=name, **summarize(trace, steps=steps, top=12))
+    # host-side: CUDA runtime calls that can stall the pipeline (allocations, synchronisations), per step
+    runtime = {}
+    for e in trace.get("traceEvents", []):
+        n = e.get("name", "")
+        if e.get("cat") == "cuda_runtime" and any(k in n for k in ("Malloc", "Free", "Synchronize", "MemcpyAsync")):
+            c, d = runtime.get(n, (0, 0.0))
+            runtime[n] = (c + 1, d + float(e.get("dur", 0)))
+    emit(section=section + "_profile", impl=name, **summarize(trace, steps=steps, top=12),
+         allocator={k: after.get(k, 0) - before.get(k, 0) for k in keys},
+         runtime_calls={n: [c, round(d / 1e3, 2)] for n, (c, d) in runtime.items()})
 
 
 def check():
