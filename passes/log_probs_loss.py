@@ -274,13 +274,12 @@ def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
                description="fxfuse::linear_log_probs + a per-token loss in the same graph -> the lm-head gradient "
                            "formed in the forward (fxfuse::linear_log_probs_loss)")
 def log_probs_loss_pass(gm: fx.GraphModule, ctx) -> int:
-    count = 0
-    for mod in ctx.graph_modules(gm):
-        changed = 0
-        for node in list(mod.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.fxfuse.linear_log_probs.default:
-                changed += _rewrite(mod, node, ctx)
-        if changed:
-            mod.recompile()
-        count += changed
-    return count
+    # The root graph only: its output is what the caller differentiates. A loss inside a checkpointed body would
+    # be rerun by the recompute (the gradient matmuls twice), so such sites keep the op's own backward.
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.fxfuse.linear_log_probs.default:
+            changed += _rewrite(gm, node, ctx)
+    if changed:
+        gm.recompile()
+    return changed

@@ -171,6 +171,34 @@ def test_metrics_and_inputs_with_gradients():
         torch.testing.assert_close(z.grad, x.grad, rtol=1e-4, atol=1e-6)
 
 
+def trl_grpo_kl(h, W, y, mask, adv, ref_logp):
+    """TRL's "grpo" loss type with its KL term (beta 0.04): per-sequence means, then the batch mean."""
+    logp = torch.log_softmax(F.linear(h, W) / T, dim=-1).gather(-1, y[..., None]).squeeze(-1)
+    ratio = torch.exp(logp - logp.detach())
+    a = adv[:, None]
+    per_tok = -torch.min(ratio * a, torch.clamp(ratio, 1 - EPS, 1 + EPS) * a)
+    kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+    per_tok = per_tok + 0.04 * kl
+    return ((per_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def test_trl_grpo_loss_with_kl():
+    """Per-sequence normalisation (a partial sum divided by each row's token count) and a KL term against a
+    reference model's log-probs: linear after token-wise, so fused; gradients as eager's."""
+    h, W, y, mask, adv = _data(3, 9)
+    ref_logp = -torch.rand(3, 9) * 5
+    a = [h.clone().requires_grad_(), W.clone().requires_grad_()]
+    b = [h.clone().requires_grad_(), W.clone().requires_grad_()]
+    ref = trl_grpo_kl(*a, y, mask, adv, ref_logp)
+    got = torch.compile(trl_grpo_kl, backend="fxfuse", options=AOT)(*b, y, mask, adv, ref_logp)
+    assert fused_sites("log_probs_loss"), str(fxfuse.report())
+    torch.testing.assert_close(got, ref)
+    ref.backward()
+    got.backward()
+    for x, z in zip(a, b):
+        torch.testing.assert_close(z.grad, x.grad, rtol=1e-4, atol=1e-6)
+
+
 def _logp(h, W, y):
     return torch.log_softmax(F.linear(h, W) / T, dim=-1).gather(-1, y[..., None]).squeeze(-1)
 
