@@ -94,6 +94,7 @@ def sec_lce(names, quick=False):
         if not quick:
             impls["inductor"] = torch.compile(eager_loss)
         impls["fxfuse (256 MiB chunks)"] = fx()
+        impls["fxfuse (512 MiB chunks)"] = fx(chunk_bytes=512 << 20)
         impls["fxfuse (1 GiB chunks)"] = fx(chunk_bytes=1 << 30)
         impls["fxfuse (16 MiB, min-memory)"] = fx(chunk_bytes=K.MIN_MEMORY_CHUNK_BYTES)
         impls["fxfuse recompute (grad_in_forward=False)"] = fx(grad_in_forward=False)
