@@ -198,7 +198,8 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
 # kernels read at call time (lm_head_rows.DEFAULT_CHUNK_BYTES, FXFUSE_LCE_CHUNK_BYTES in the environment).
 CHUNK_BYTES_OPTION = {"type": int, "minimum": 0, "default": 0,
                       "doc": f"logits-chunk budget in bytes, 0 = the op's default "
-                             f"({lm_head_rows.DEFAULT_CHUNK_BYTES >> 20} MiB)",
+                             f"({lm_head_rows.DEFAULT_CHUNK_BYTES >> 20} MiB, at least "
+                             f"{lm_head_rows.MIN_DEFAULT_CHUNK_ROWS} tokens)",
                       "shown_default": f"0 = {lm_head_rows.DEFAULT_CHUNK_BYTES >> 20} MiB"}
 
 

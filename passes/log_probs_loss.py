@@ -235,6 +235,12 @@ def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
     bv = node_val(op.args[3]) if isinstance(op.args[3], fx.Node) else None
     if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in (hv, wv, bv)):
         return False  # nothing takes a gradient: nothing to form in the forward
+    frozen_head = not (wv.requires_grad or (isinstance(bv, torch.Tensor) and bv.requires_grad))
+    if frozen_head and not op.args[6]:
+        # log-probs alone under a frozen head: the op's own forward already forms d logp / d hidden per unit
+        # upstream gradient (one projection, as here) without running the loss per chunk
+        ctx.skipped(op, what, "not needed: a frozen head's log-probs already project the logits once")
+        return False
     t, why = _find_tail(g, op)
     if t is None:
         ctx.skipped(op, what, f"left to the backward (4 matmuls with a trainable head): {why}")

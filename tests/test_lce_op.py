@@ -380,3 +380,19 @@ def test_op_call_signature_for_graph_passes():
                                                          True, True, False, 0)
         assert [tuple(o.shape) for o in outs] == [(12,), (2, 12), (12, 8), (21, 8), (0,), ()]  # lse: max, log S
         assert outs[2].stride() == (8, 1) and outs[0].dtype == torch.float32
+
+
+def test_default_chunk_budget_holds_at_least_1024_tokens():
+    """The default logits-chunk budget: 256 MiB, raised to 1024 rows of the vocabulary where that is more (Gemma-2's
+    256k: 512 MiB); an explicit budget is kept as given."""
+    from fxfuse.kernels import lm_head_rows
+    from fxfuse.ops._lm_head import chunk_budget
+
+    gemma = torch.empty(256000, 2304, dtype=torch.bfloat16, device="meta")
+    llama = torch.empty(128256, 4096, dtype=torch.bfloat16, device="meta")
+    assert lm_head_rows.MIN_DEFAULT_CHUNK_ROWS == 1024
+    assert chunk_budget(0, gemma) == 1024 * 256000 * 2
+    assert lm_head_rows.rows_per_chunk(256000, 2, chunk_budget(0, gemma), 8192) == 1024
+    assert chunk_budget(0, llama) == lm_head_rows.DEFAULT_CHUNK_BYTES == 256 << 20
+    assert lm_head_rows.rows_per_chunk(128256, 2, chunk_budget(0, llama), 8192) == 1024
+    assert chunk_budget(16 << 20, gemma) == 16 << 20

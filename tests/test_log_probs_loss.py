@@ -145,6 +145,18 @@ def test_logits_projected_once(frozen):
     assert _projections(off, h, W, y, mask, adv) == 2
 
 
+def test_frozen_head_log_probs_alone_keep_the_unit_gradient_path():
+    """A frozen head with log-probs alone: the op's forward already forms the hidden states' gradient (one
+    projection), so the site is left as it is, with that reason, and still projects once."""
+    h, W, y, mask, adv = _data(2, 9)
+    h.requires_grad_()
+    compiled = torch.compile(dapo, backend="fxfuse", options=AOT)
+    compiled(h, W, y, mask, adv)
+    assert not fused_sites("log_probs_loss")
+    assert any("not needed" in r.reason for r in skipped_sites("log_probs_loss")), str(fxfuse.report())
+    assert _projections(compiled, h, W, y, mask, adv) == 1
+
+
 def test_metrics_and_inputs_with_gradients():
     """Detached metrics beside the loss (clip fraction, the largest log-prob) do not stop the rewrite; an
     advantage that takes a gradient gets it through the graph's own ops, as in eager."""

@@ -47,6 +47,7 @@ from .triton_support import HAVE_TRITON, interpreting, tanh_approx, tanh_exp, tl
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MIN_DEFAULT_CHUNK_ROWS",
     "FP32_ACCUM_MAX_BYTES",
     "rows_per_chunk",
     "chunk_loop",
@@ -67,6 +68,11 @@ __all__ = [
 #: Budget for the [C, V] logits chunk buffer of both lm-head ops (design: ~256 MiB); the op argument
 #: ``chunk_bytes=0`` means this.
 DEFAULT_CHUNK_BYTES = int(os.environ.get("FXFUSE_LCE_CHUNK_BYTES", 256 << 20))
+#: The default budget (not one a caller or FXFUSE_LCE_CHUNK_BYTES gives) holds at least this many token rows: at
+#: Gemma-2's 256k vocabulary 256 MiB is 512 rows, and the grad_weight GEMMs that accumulate chunk by chunk cost
+#: more than the memory saves (H200, 8192 tokens: 55.5 ms at 512 rows, 51.6 at 1024 (512 MiB), Inductor 50.9;
+#: benchmarks/lce_notes.md). The Llama-3 head (128k) gets 1024 rows from 256 MiB already.
+MIN_DEFAULT_CHUNK_ROWS = 0 if "FXFUSE_LCE_CHUNK_BYTES" in os.environ else 1024
 #: Accumulate grad_weight in fp32 (then cast once) when the fp32 accumulator fits in this many bytes. Each
 #: chunk's addmm otherwise rounds the running bf16 sum once more (see benchmarks/lce_notes.md for the error).
 #: Read by :func:`chunk_loop`, i.e. for both lm-head ops.

@@ -12,10 +12,14 @@ from ..kernels import lm_head_rows
 LM_HEAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def chunk_budget(chunk_bytes: int) -> int:
-    """The ops' ``chunk_bytes`` argument as a logits-chunk budget in bytes: 0 (or less) means
-    ``lm_head_rows.DEFAULT_CHUNK_BYTES`` (read at call time)."""
-    return int(chunk_bytes) if chunk_bytes and chunk_bytes > 0 else lm_head_rows.DEFAULT_CHUNK_BYTES
+def chunk_budget(chunk_bytes: int, weight: Optional[Tensor] = None) -> int:
+    """The ops' ``chunk_bytes`` argument as a logits-chunk budget in bytes: 0 (or less) means the default,
+    ``lm_head_rows.DEFAULT_CHUNK_BYTES``, raised to ``MIN_DEFAULT_CHUNK_ROWS`` rows of ``weight``'s vocabulary
+    (read at call time)."""
+    if chunk_bytes and chunk_bytes > 0:
+        return int(chunk_bytes)
+    rows = lm_head_rows.MIN_DEFAULT_CHUNK_ROWS * (weight.shape[0] * weight.element_size() if weight is not None else 0)
+    return max(lm_head_rows.DEFAULT_CHUNK_BYTES, rows)
 
 
 def flatten_and_grad_flags(hidden: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor]

@@ -94,7 +94,7 @@ def linear_cross_entropy_fwd(
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     check_class_indices(_OP, target, weight.shape[0], ignore_index)
     outs = K.lce_forward(hidden, weight, target.long(), bias, ignore_index, reduction, softcap, scale,
-                         label_smoothing, grad_in_forward, wh, ww, wb, chunk_budget(chunk_bytes))
+                         label_smoothing, grad_in_forward, wh, ww, wb, chunk_budget(chunk_bytes, weight))
     # 0-dim flag saved with gradients computed in the forward: set by the first backward that consumes them.
     consumed = torch.zeros((), dtype=torch.float32, device=hidden.device)
     return (*outs, consumed)
@@ -125,7 +125,7 @@ def linear_cross_entropy_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return K.lce_backward(grad_loss, hidden, weight, target.long(), bias, lse, ignore_index, reduction, softcap,
                           scale, label_smoothing, grad_hidden, grad_weight, grad_bias and bias is not None,
-                          chunk_budget(chunk_bytes))
+                          chunk_budget(chunk_bytes, weight))
 
 
 @linear_cross_entropy_bwd.register_fake

@@ -83,7 +83,7 @@ def linear_log_probs_fwd(
     check_linear_log_probs(hidden, weight, index, bias, temperature, softcap)
     check_class_indices(_OP, index, weight.shape[0], None, what="index")
     return K.logp_forward(hidden, weight, index.long(), bias, float(temperature), float(softcap),
-                          bool(return_entropy), chunk_budget(chunk_bytes), *map(bool, stats),
+                          bool(return_entropy), chunk_budget(chunk_bytes, weight), *map(bool, stats),
                           unit_grad=_unit_grad(return_entropy, grad_hidden, grad_weight, grad_bias, bias))
 
 
@@ -121,7 +121,7 @@ def linear_log_probs_bwd(
 ) -> Tuple[Tensor, Tensor, Tensor]:
     return K.logp_backward(grad_logp, grad_entropy, hidden, weight, index.long(), bias, lse, ez,
                            float(temperature), float(softcap), grad_hidden, grad_weight, grad_bias,
-                           chunk_budget(chunk_bytes))
+                           chunk_budget(chunk_bytes, weight))
 
 
 @linear_log_probs_bwd.register_fake

@@ -101,7 +101,7 @@ def linear_log_probs_loss_fwd(
     grads = tail_gradients(tail, bool(return_entropy), tail_tensors, [int(i) for i in tail_ints]) \
         if any_grad else None
     out = K.logp_forward_with_grads(hidden, weight, index.long(), bias, float(temperature), float(softcap),
-                                    bool(return_entropy), chunk_budget(chunk_bytes), grads, bool(grad_hidden),
+                                    bool(return_entropy), chunk_budget(chunk_bytes, weight), grads, bool(grad_hidden),
                                     bool(grad_weight), bool(grad_bias))
     logp, ent = out[0], out[1]
     gh, gw, gb = out[7:]
