@@ -36,6 +36,8 @@ from fxfuse.kernels import linear_log_probs as K  # noqa: E402
 from fxfuse.ops import linear_log_probs  # noqa: E402
 
 emit = jsonl_emitter("bench_log_probs.jsonl")
+# Each section compiles the same loss function with several backends / option sets: one frame, many compiles.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 # The loss in the same graph lets the log_probs_loss pass form the lm-head gradient in the forward; with it off the
 # op's backward projects the logits again (the row beside it shows what the pass saves).
 LOSS_PASS_OFF = {"passes": {"log_probs_loss": False}}
