@@ -6,7 +6,9 @@ timing and peak-memory method), for fxfuse variants the anchor script does not c
 * ``fxfuse-materialize`` pass option ``logits="materialize"`` (real logits returned from the graph);
 * ``lora-<impl>``        PEFT LoRA r16 / alpha 32 / dropout 0.05 on every projection (the anchors' LoRA rows).
 
-Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...] [llama|gemma2] [B]
+Writes JSON lines to $OUT/e2e_fxfuse.jsonl. Run: python3 benchmarks/bench_e2e.py [impl,...] [shape] [B], shape one of
+llama (default), gemma2, and the held-out fixed-length steps: mistral-8l (2x4096), phi3-16l (4x2048), qwen3-1.7b
+(4x2048).
 (``eager`` and ``inductor`` are accepted too, for runs the anchor script does not cover.)
 """
 import os
@@ -24,6 +26,27 @@ OUT = os.environ.get("OUT", "/tmp")
 emit = jsonl_emitter("e2e_fxfuse.jsonl")
 
 
+def _mistral():  # Mistral-7B-v0.1 widths (its config's defaults: sliding window 4096, 32k vocabulary), 8 layers
+    from transformers import MistralConfig
+    return MistralConfig(num_hidden_layers=8), 2, 4096, "mistral-7b shape x8 layers"
+
+
+def _phi3():  # Phi-3-mini widths (hidden 3072, 32 heads, fused qkv / gate_up projections), 16 layers
+    from transformers import Phi3Config
+    return Phi3Config(num_hidden_layers=16, pad_token_id=0), 4, 2048, "phi-3-mini shape x16 layers"
+
+
+def _qwen3():  # Qwen3-1.7B
+    from transformers import Qwen3Config
+    return (Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                        max_position_embeddings=8192), 4, 2048, "qwen3-1.7b shape")
+
+
+#: shape name -> (config, rows, length, label): the held-out-style fixed-length steps of issue 33
+HELD_OUT = {"mistral-8l": _mistral, "phi3-16l": _phi3, "qwen3-1.7b": _qwen3}
+
+
 def build(impl, shape="llama", B=None):
     """(compiled step callable, model, optimizer, input ids, config) for one impl, as the anchors build it."""
     import fxfuse  # noqa: F401  (registers the backend when run from a source tree)
@@ -35,6 +58,9 @@ def build(impl, shape="llama", B=None):
                            num_key_value_heads=4, head_dim=256, vocab_size=256000, sliding_window=4096,
                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
         B0, S, attn, name = 1, 4096, "eager", "gemma2-2b shape"
+    elif shape in HELD_OUT:  # issue 33's fixed-length steps: held-out architectures at their real widths
+        cfg, B0, S, name = HELD_OUT[shape]()
+        attn = "sdpa"
     else:
         cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
