@@ -19,6 +19,7 @@ import functools
 import importlib
 import json
 import math
+import types
 from typing import Callable
 
 import torch
@@ -43,11 +44,9 @@ def dump_graph(graph: fx.Graph) -> str:
     code = graph.python_code(root_module="self")
     modules = {}
     for name, obj in code.globals.items():
-        if name in _FX_NAMES:
+        if name in _FX_NAMES or name in ("fx_pytree", "pytree"):  # FX adds the pytree modules to every program
             continue
-        if name in ("fx_pytree", "pytree") or not isinstance(obj, type(math)):
-            if name in ("fx_pytree", "pytree"):
-                continue  # FX adds these to every program; plain code never uses them
+        if not isinstance(obj, types.ModuleType):
             raise ProgramError(f"the code needs {name} = {obj!r}, which is not a module")
         modules[name] = obj.__name__
     text = json.dumps({"src": code.src, "modules": modules}, sort_keys=True)
