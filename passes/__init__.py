@@ -23,7 +23,7 @@ PASS_ORDER = (
     "trl_fused_head",       # TRL's own fused head (one node, fxfuse's shim of it) -> linear_log_probs
     "linear_cross_entropy",
     "linear_log_probs",     # log-prob / entropy chains; a cross-entropy loss is linear_cross_entropy's
-    "log_probs_loss",       # a per-token loss over those log-probs in the same graph: gradients in the forward
+    "log_probs_loss",       # a per-token loss over those log-probs (or per-token CE) in the same graph: grads in fwd
     "foreign_fused_heads",  # reports another library's fused lm-head (Liger, CCE, Unsloth); rewrites nothing
     # Last: it needs the attention sites read as key padding and the lm-head loss fused.
     "unpad_tokens",         # padded batch -> its real tokens as one packed row

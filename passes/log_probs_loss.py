@@ -1,6 +1,8 @@
 """Give a fused log-probs site its loss: the lm-head gradient formed in the forward (``fxfuse::linear_log_probs_loss``).
 
-Runs after ``linear_log_probs``. Where the graph also computes the loss from the op's log-probs (and entropy), as
+Runs after ``linear_cross_entropy`` and ``linear_log_probs``, on their ops: log-probs (and entropy), and a
+cross-entropy with ``reduction="none"`` (a custom loop's masked or weighted token mean: its per-token loss is the
+target's -logp, 0 on ignored rows, so the same op serves it with the cross-entropy's logit transform). Where the graph also computes the loss from the op's log-probs (and entropy), as
 an RL step compiled with its loss does (GRPO / DAPO: ``-min(ratio * A, clip(ratio) * A)``, masked, summed and
 divided by the token count; a policy-gradient term minus an entropy bonus), the per-token upstream gradients are
 known in the forward, chunk by chunk, if every token's gradient depends on that token's values only. Then the op
@@ -35,6 +37,7 @@ from typing import Dict, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
+import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
 import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
 import fxfuse.ops.log_probs_loss  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs_loss)
 from fxfuse.fx_program import ProgramError, dump_graph
@@ -98,21 +101,16 @@ def _classify(n: fx.Node, cone_ins: List[fx.Node], state: Dict[fx.Node, str]) ->
 
 
 class _Tail:
-    def __init__(self, op: fx.Node):
-        self.op = op
-        self.roots: Dict[int, fx.Node] = {}   # output index -> getitem
+    def __init__(self, roots: Dict[int, fx.Node]):
+        self.roots = roots                    # op output index -> the node standing for it (the tail starts there)
         self.nodes: List[fx.Node] = []        # the tail, in graph order
         self.loss: Optional[fx.Node] = None
         self.tensors: List[fx.Node] = []      # what else the tail reads
         self.ints: List[fx.Node] = []
 
 
-def _find_tail(g: fx.Graph, op: fx.Node) -> Tuple[Optional[_Tail], str]:
-    t = _Tail(op)
-    for u in op.users:
-        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
-            return None, "the op's other statistics are read"
-        t.roots[u.args[1]] = u
+def _find_tail(g: fx.Graph, roots: Dict[int, fx.Node]) -> Tuple[Optional[_Tail], str]:
+    t = _Tail(roots)
     order = {n: i for i, n in enumerate(g.nodes)}
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
     cone: Set[fx.Node] = set(t.roots.values())
@@ -179,14 +177,20 @@ def _flat_nodes(a) -> List[fx.Node]:
     return out
 
 
-def _tail_program(t: _Tail) -> str:
-    """The loss as ``f(logp [N], entropy [N] or [0], *tensors, *ints)``, text for the op."""
+def _tail_program(t: _Tail, cross_entropy: bool = False) -> str:
+    """The loss as ``f(logp [N], entropy [N] or [0], *tensors, *ints)``, text for the op. For a cross-entropy site
+    the first tensor is ``valid`` (target != ignore_index) and the tail starts from the per-token loss
+    ``where(valid, -logp, 0)``."""
     g = fx.Graph()
     env: Dict[fx.Node, fx.Node] = {}
-    for i, name in ((0, "logp"), (1, "entropy")):
-        ph = g.placeholder(name)
-        if i in t.roots:
-            env[t.roots[i]] = ph
+    phs = [g.placeholder("logp"), g.placeholder("entropy")]
+    if cross_entropy:
+        valid = g.placeholder("valid")
+        env[t.roots[0]] = g.call_function(torch.where, (valid, g.call_function(operator.neg, (phs[0],)), 0.0))
+    else:
+        for i, ph in enumerate(phs):
+            if i in t.roots:
+                env[t.roots[i]] = ph
     for j, n in enumerate(t.tensors):
         env[n] = g.placeholder(f"tensor{j}")
     for j, n in enumerate(t.ints):
@@ -225,28 +229,65 @@ def _mutates(n: fx.Node) -> bool:
         or "bernoulli" in name
 
 
-def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
-    g = gm.graph
+def _needs_grad(*vals) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in vals)
+
+
+def _rewrite_log_probs(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
     what = "log-probs loss"
     if len(op.args) > 8 and any(op.args[8:]):
         ctx.skipped(op, what, "the op's other statistics are asked for")
         return False
     hv, wv = node_val(op.args[0]), node_val(op.args[1])
     bv = node_val(op.args[3]) if isinstance(op.args[3], fx.Node) else None
-    if not any(isinstance(v, torch.Tensor) and v.requires_grad for v in (hv, wv, bv)):
+    if not _needs_grad(hv, wv, bv):
         return False  # nothing takes a gradient: nothing to form in the forward
-    frozen_head = not (wv.requires_grad or (isinstance(bv, torch.Tensor) and bv.requires_grad))
-    if frozen_head and not op.args[6]:
+    if not _needs_grad(wv, bv) and not op.args[6]:
         # log-probs alone under a frozen head: the op's own forward already forms d logp / d hidden per unit
         # upstream gradient (one projection, as here) without running the loss per chunk
         ctx.skipped(op, what, "not needed: a frozen head's log-probs already project the logits once")
         return False
-    t, why = _find_tail(g, op)
+    roots = {}
+    for u in op.users:
+        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
+            ctx.skipped(op, what, "left to the backward: the op's other statistics are read")
+            return False
+        roots[u.args[1]] = u
+    return _rewrite(gm, op, ctx, what, roots, tuple(op.args[:8]), _needs_grad(wv, bv))
+
+
+def _rewrite_cross_entropy(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
+    """``fxfuse::linear_cross_entropy(..., reduction="none")`` whose per-token losses feed a loss in the graph
+    (masked or weighted token means): the per-token loss is ``-logp`` of the target (0 where ignored), so the
+    site becomes the log-probs loss op with the cross-entropy's logit transform (z = softcap(scale * x) is
+    softcap / scale, then / (1 / scale))."""
+    what = "cross-entropy (reduction none) loss"
+    h, w, target, bias, ignore_index, reduction, softcap, scale, smoothing = op.args[:9]
+    if reduction != "none":
+        return False  # mean / sum: the op forms the gradients in the forward already
+    hv, wv = node_val(h), node_val(w)
+    bv = node_val(bias) if isinstance(bias, fx.Node) else None
+    if not _needs_grad(hv, wv, bv):
+        return False
+    lv = node_val(op)
+    if smoothing or not scale > 0 or not isinstance(lv, torch.Tensor) or lv.dim() != 1:
+        ctx.skipped(op, what, "left to the backward: label smoothing, a non-positive logit scale or a per-token "
+                              "loss that is not one row per token")
+        return False
+    args = (h, w, None, bias, 1.0 / float(scale), float(softcap) / float(scale) if softcap else 0.0, False,
+            op.args[10] if len(op.args) > 10 else 0)
+    return _rewrite(gm, op, ctx, what, {0: op}, args, _needs_grad(wv, bv), ce=(target, int(ignore_index)))
+
+
+def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx, what: str, roots: Dict[int, fx.Node], args: tuple,
+             trainable: bool, ce=None) -> bool:
+    g = gm.graph
+    t, why = _find_tail(g, roots)
     if t is None:
-        ctx.skipped(op, what, f"left to the backward (4 matmuls with a trainable head): {why}")
+        ctx.skipped(op, what, f"left to the backward (the logits projected twice): {why}")
         return False
     try:
-        program = _tail_program(t)
+        program = _tail_program(t, cross_entropy=ce is not None)
     except ProgramError as e:
         ctx.skipped(op, what, f"the loss cannot travel to the op: {e}")
         return False
@@ -255,12 +296,24 @@ def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
         ctx.skipped(op, what, why)
         return False
     out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    tensors = list(t.tensors)
     with g.inserting_before(op):
-        new = g.call_function(torch.ops.fxfuse.linear_log_probs_loss.default,
-                              tuple(op.args[:8]) + (program, list(t.tensors), list(t.ints)))
+        if ce is not None:  # the log-probs op's index: the target, 0 where ignored (its loss is zeroed there)
+            target, ignore_index = ce
+            flat = g.call_method("reshape", (target, -1))
+            valid = g.call_function(operator.ne, (flat, ignore_index))
+            index = g.call_function(torch.where, (valid, flat, 0))
+            args = args[:2] + (index,) + args[3:]
+            tensors = [valid] + tensors
+        new = g.call_function(torch.ops.fxfuse.linear_log_probs_loss.default, args + (program, tensors, list(t.ints)))
         copy_node_meta(new, op)
+        if ce is not None:  # the per-token losses' value, as the cross-entropy gave it (no gradient now)
+            logp = g.call_function(operator.getitem, (new, 0))
+            per_token = g.call_function(torch.where, (valid, g.call_function(operator.neg, (logp,)), 0.0))
+            op.replace_all_uses_with(per_token)
     for i, r in t.roots.items():
-        r.args = (new, i)
+        if r is not op:
+            r.args = (new, i)
     g.erase_node(op)
     with g.inserting_before(out_node):
         carrier = g.call_function(operator.getitem, (new, 2))
@@ -269,7 +322,6 @@ def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
         loss = g.call_function(operator.add, (t.loss, carrier))
         copy_node_meta(loss, t.loss)
     out_node.args = fx.node.map_arg(out_node.args, lambda n: loss if n is t.loss else n)
-    trainable = isinstance(wv, torch.Tensor) and wv.requires_grad
     ctx.fused(new, f"{what}: lm-head gradient formed in the forward ({len(t.nodes)} loss nodes, "
                    f"{'3' if trainable else '2'} matmuls instead of {'4' if trainable else '3'})",
               entropy=1 in t.roots, loss_inputs=[n.name for n in t.tensors + t.ints])
@@ -284,8 +336,12 @@ def log_probs_loss_pass(gm: fx.GraphModule, ctx) -> int:
     # be rerun by the recompute (the gradient matmuls twice), so such sites keep the op's own backward.
     changed = 0
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.fxfuse.linear_log_probs.default:
-            changed += _rewrite(gm, node, ctx)
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.fxfuse.linear_log_probs.default:
+            changed += _rewrite_log_probs(gm, node, ctx)
+        elif node.target is torch.ops.fxfuse.linear_cross_entropy.default:
+            changed += _rewrite_cross_entropy(gm, node, ctx)
     if changed:
         gm.recompile()
     return changed

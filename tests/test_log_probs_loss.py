@@ -211,6 +211,37 @@ def test_trl_grpo_loss_with_kl():
         torch.testing.assert_close(z.grad, x.grad, rtol=1e-4, atol=1e-6)
 
 
+def masked_token_ce(h, W, y, mask, adv):
+    """A custom loop's token loss: per-token cross-entropy (reduction "none", ignore_index rows), a Gemma-2-style
+    softcap after a logit scale, weighted by a mask and the advantages, averaged over the mask."""
+    z = torch.tanh(F.linear(h, W).float() / T / 30.0) * 30.0
+    ce = F.cross_entropy(z.view(-1, z.shape[-1]), y.reshape(-1), reduction="none", ignore_index=-100)
+    w = (mask * adv[:, None].abs()).reshape(-1)
+    return (ce * w).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_head", "frozen_head"])
+def test_cross_entropy_per_token_loss(frozen):
+    """Cross-entropy with reduction "none" and a loss over it in the graph: the same rewrite (the per-token loss is
+    -logp, 0 on ignored rows), the logits projected once where the op's backward projected them again; loss and
+    gradients within 2x of eager's distance from float64."""
+    h, W, y, mask, adv = _data(3, 10)
+    y[0, 3] = y[2, 7] = -100  # ignored rows
+    ref = _grads(masked_token_ce, h, W, y, mask, adv, dtype=torch.float64, frozen=frozen)
+    eager = _grads(masked_token_ce, h, W, y, mask, adv, frozen=frozen)
+    compiled = torch.compile(masked_token_ce, backend="fxfuse", options=AOT)
+    got = _grads(compiled, h, W, y, mask, adv, frozen=frozen)
+    assert fused_sites("linear_cross_entropy") and fused_sites("log_probs_loss"), str(fxfuse.report())
+    for g, e, r in zip(got, eager, ref):
+        if r is not None:
+            assert _rel(g, r) <= 2 * _rel(e, r) + 1e-6, (_rel(g, r), _rel(e, r))
+    hh, ww = h.clone().requires_grad_(), W.clone().requires_grad_(not frozen)
+    off = torch.compile(masked_token_ce, backend="fxfuse", options={**AOT, "passes": {"log_probs_loss": False}})
+    off(hh, ww, y, mask, adv)
+    assert _projections(compiled, hh, ww, y, mask, adv) == 1
+    assert _projections(off, hh, ww, y, mask, adv) == 2
+
+
 def _logp(h, W, y):
     return torch.log_softmax(F.linear(h, W) / T, dim=-1).gather(-1, y[..., None]).squeeze(-1)
 
