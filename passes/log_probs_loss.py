@@ -1,9 +1,12 @@
-"""Give a fused log-probs site its loss: the lm-head gradient formed in the forward (``fxfuse::linear_log_probs_loss``).
+"""Give a fused log-probs site its loss: the lm-head gradient formed in the forward
+(``fxfuse::linear_log_probs_loss``).
 
 Runs after ``linear_cross_entropy`` and ``linear_log_probs``, on their ops: log-probs (and entropy), and a
 cross-entropy with ``reduction="none"`` (a custom loop's masked or weighted token mean: its per-token loss is the
-target's -logp, 0 on ignored rows, so the same op serves it with the cross-entropy's logit transform). Where the graph also computes the loss from the op's log-probs (and entropy), as
-an RL step compiled with its loss does (GRPO / DAPO: ``-min(ratio * A, clip(ratio) * A)``, masked, summed and
+target's -logp, 0 on ignored rows, so the same op serves it with the cross-entropy's logit transform).
+
+Where the graph also computes the loss from the op's log-probs (and entropy), as an RL step compiled with its
+loss does (GRPO / DAPO: ``-min(ratio * A, clip(ratio) * A)``, masked, summed and
 divided by the token count; a policy-gradient term minus an entropy bonus), the per-token upstream gradients are
 known in the forward, chunk by chunk, if every token's gradient depends on that token's values only. Then the op
 can form the lm-head gradient right after each chunk's log-probs: the logits are projected once (3 matmuls with a

@@ -14,8 +14,8 @@ The call a graph pass inserts (ONE node, returns the loss; fp32, [] for "mean"/"
         label_smoothing,   # float, as F.cross_entropy defines it
         grad_in_forward,   # bool: compute the gradients during the forward (valid only when the loss reaches
                            #       a scalar through linear ops; ignored for "none" or when nothing needs grad)
-        chunk_bytes=0,     # int, optional: logits-chunk budget in bytes (0 = DEFAULT_CHUNK_BYTES, 256 MiB;
-                           #       16 MiB = MIN_MEMORY_CHUNK_BYTES)
+        chunk_bytes=0,     # int, optional: logits-chunk budget in bytes (0 = the default: 256 MiB, at least
+                           #       1024 tokens; 16 MiB = MIN_MEMORY_CHUNK_BYTES)
     )
 
 That op is CompositeImplicitAutograd: AOTAutograd decomposes it into the ops that show in profiler traces and in
@@ -232,8 +232,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, bias
 
     hidden [..., D], weight [V, D], target [...] (int64). Returns fp32: a scalar for "mean"/"sum", ``target``'s
     shape for "none". ``grad_in_forward`` (default: ``reduction != "none"``) computes the gradients during the
-    forward (3 matmuls instead of 4); ``chunk_bytes`` bounds the logits chunk (default 256 MiB, see
-    ``fxfuse.kernels.linear_cross_entropy.MIN_MEMORY_CHUNK_BYTES`` for the 16 MiB setting).
+    forward (3 matmuls instead of 4); ``chunk_bytes`` bounds the logits chunk (default 256 MiB, at least 1024
+    tokens, see ``fxfuse.kernels.linear_cross_entropy.MIN_MEMORY_CHUNK_BYTES`` for the 16 MiB setting).
     """
     _check_linear_cross_entropy(hidden, weight, target, bias, reduction, softcap or 0.0, label_smoothing)
     gif = (reduction != "none") if grad_in_forward is None else bool(grad_in_forward)

@@ -17,7 +17,7 @@ three have no gradient: the per-token statistics TRL's trainers read besides the
         temperature=1.0,   # float > 0
         softcap=0.0,       # float (0.0 = none)
         return_entropy=False,
-        chunk_bytes=0,     # logits-chunk budget in bytes (0 = DEFAULT_CHUNK_BYTES, 256 MiB)
+        chunk_bytes=0,     # logits-chunk budget in bytes (0 = the default: 256 MiB, at least 1024 tokens)
         return_is_top1=False,            # index is the first argmax of z (SFT's mean_token_accuracy)
         return_mean_logits=False,        # mean of z over the vocabulary (DPO / KTO metrics)
         return_log_sum_sq_probs=False,   # log sum_v p_v^2 (DPO's WPO weighting)
@@ -208,7 +208,8 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *, temperatu
     or ``(logp, entropy)`` with ``return_entropy=True``, entropy = -(softmax(z) * log_softmax(z)).sum(-1).
     Backward accepts arbitrary per-token upstream grads for both (advantages, masks, importance ratios) and
     recomputes the logits chunk by chunk (4 matmuls); with a frozen ``weight`` (and bias) and no entropy, the
-    forward forms the hidden states' gradient per unit upstream gradient instead (2 matmuls in all). ``chunk_bytes`` bounds the logits chunk (default 256 MiB).
+    forward forms the hidden states' gradient per unit upstream gradient instead (2 matmuls in all).
+    ``chunk_bytes`` bounds the logits chunk (default 256 MiB, at least 1024 tokens).
     """
     check_linear_log_probs(hidden, weight, index, bias, temperature, softcap or 0.0)
     logp, ent = torch.ops.fxfuse.linear_log_probs.default(
