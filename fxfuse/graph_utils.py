@@ -19,7 +19,7 @@ aten = torch.ops.aten
 
 __all__ = [
     "node_val", "op_kind", "arg", "graph_modules", "size_hint", "numel_hint",
-    "SHAPE_ONLY_KINDS", "const_number", "known_true", "copy_node_meta", "erase_unused",
+    "SHAPE_ONLY_KINDS", "const_number", "known_true", "copy_node_meta", "erase_unused", "flat_nodes", "same_shape",
 ]
 
 # canonical kind -> parameter names, in positional order (``input`` is ``self`` for method calls)
@@ -212,6 +212,18 @@ def const_number(a: Any) -> Optional[float]:
     if isinstance(a, (int, float)):
         return float(a)
     return None
+
+
+def same_shape(a, b) -> bool:
+    """Two shapes (symbolic sizes allowed) provably equal, without adding a guard."""
+    return len(a) == len(b) and all(known_true(x == y) for x, y in zip(a, b))
+
+
+def flat_nodes(a: Any) -> List[fx.Node]:
+    """Every fx.Node inside a node argument (tuples, lists, dicts, nested), in order."""
+    out: List[fx.Node] = []
+    fx.node.map_arg(a, lambda x: out.append(x) or x)
+    return out
 
 
 def copy_node_meta(dst: fx.Node, src: fx.Node) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxfuse.graph_utils import node_val, size_hint
+from fxfuse.graph_utils import flat_nodes, node_val, size_hint
 
 __all__ = ["B", "S", "T", "TokenRegion", "token_region"]
 
@@ -98,12 +98,6 @@ def _shape(n) -> Tuple[int, ...]:
 
 def _is_token(tag) -> bool:
     return tag in TOKEN_TAGS
-
-
-def _flat_nodes(a) -> List[fx.Node]:
-    out: List[fx.Node] = []
-    fx.node.map_arg(a, lambda x: out.append(x) or x)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ the analysis
@@ -299,7 +293,7 @@ class _Analysis:
             return tags
         if n.op == "call_function" and t in (F.linear, torch._C._nn.linear):
             xt = self.tags_of(args[0])
-            for w in _flat_nodes(args[1:]):
+            for w in flat_nodes(args[1:]):
                 if w in self.in_region:
                     raise _Refuse(f"{n}: a weight computed from the tokens")
             return xt[:-1] + (None,)
@@ -388,7 +382,7 @@ class _Analysis:
                 continue
             if not after:
                 continue
-            reads = [a for a in _flat_nodes((n.args, n.kwargs)) if a in self.in_region]
+            reads = [a for a in flat_nodes((n.args, n.kwargs)) if a in self.in_region]
             if not reads:
                 continue
             if n.op == "output":

@@ -44,7 +44,8 @@ import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfus
 import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
 import fxfuse.ops.log_probs_loss  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs_loss)
 from fxfuse.fx_program import ProgramError, dump_graph
-from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, copy_node_meta, known_true, node_val, op_kind
+from fxfuse.graph_utils import (SHAPE_ONLY_KINDS, arg, copy_node_meta, flat_nodes, known_true, node_val, op_kind,
+                                same_shape)
 from fxfuse.registry import register_pass
 
 NAME = "log_probs_loss"
@@ -67,8 +68,7 @@ def _is_tensor(n) -> bool:
 
 def _same_shape(a, b) -> bool:
     va, vb = node_val(a), node_val(b)
-    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dim() == vb.dim()
-            and all(known_true(x == y) for x, y in zip(va.shape, vb.shape)))
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and same_shape(va.shape, vb.shape)
 
 
 def _same_numel(a, b) -> bool:
@@ -94,10 +94,10 @@ def _classify(n: fx.Node, cone_ins: List[fx.Node], state: Dict[fx.Node, str]) ->
         return _LINEAR, ""
     if kind in ("add", "sub"):
         return _LINEAR, ""  # a sum of tail values (and of values without the log-probs): linear
-    if kind == "mul" and len(cone_ins) == 1 and _flat_nodes((n.args, n.kwargs)).count(cone_ins[0]) == 1:
+    if kind == "mul" and len(cone_ins) == 1 and flat_nodes((n.args, n.kwargs)).count(cone_ins[0]) == 1:
         return _LINEAR, ""
     if kind == "div" and len(cone_ins) == 1 and arg(n, "input") is cone_ins[0] \
-            and cone_ins[0] not in _flat_nodes(arg(n, "other")) and arg(n, "rounding_mode") is None:
+            and cone_ins[0] not in flat_nodes(arg(n, "other")) and arg(n, "rounding_mode") is None:
         return _LINEAR, ""
     return None, (f"{n.name} ({what}) is neither token-wise in the log-probs nor linear in token-wise values: "
                   "each token's gradient would depend on other tokens")
@@ -129,7 +129,7 @@ def _find_tail(g: fx.Graph, roots: Dict[int, fx.Node]) -> Tuple[Optional[_Tail],
     for n in nodes:
         grad[n] = n in t.roots.values() or (op_kind(n) not in _NO_GRAD
                                            and any(grad.get(i, False) for i in n.all_input_nodes))
-    losses = {n for n in _flat_nodes(out_node.args) if n in cone and grad[n]}
+    losses = {n for n in flat_nodes(out_node.args) if n in cone and grad[n]}
     if not losses:
         return None, "no graph output takes a gradient through the log-probs (the loss is computed elsewhere)"
     if len(losses) > 1:
@@ -172,12 +172,6 @@ def _find_tail(g: fx.Graph, roots: Dict[int, fx.Node]) -> Tuple[Optional[_Tail],
     if state[t.loss] != _LINEAR:
         return None, "the loss is not a sum over tokens"
     return t, ""
-
-
-def _flat_nodes(a) -> List[fx.Node]:
-    out: List[fx.Node] = []
-    fx.node.map_arg(a, lambda n: out.append(n) or n)
-    return out
 
 
 def _tail_program(t: _Tail, cross_entropy: bool = False) -> str:

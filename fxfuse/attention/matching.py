@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from fxfuse.graph_utils import arg, const_number, copy_node_meta, known_true, node_val, op_kind
+from fxfuse.graph_utils import arg, const_number, copy_node_meta, known_true, node_val, op_kind, same_shape
 
 from .conventions import MASKED_BELOW, MAX_HEAD_DIM
 
@@ -107,10 +107,6 @@ def _tensor(n: Any) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(known_true(x == y) for x, y in zip(a, b))
-
-
 def _is_full(s: Any) -> bool:
     return isinstance(s, slice) and s.start in (None, 0) and s.stop is None and s.step in (None, 1)
 
@@ -179,7 +175,7 @@ def unrepeat_kv(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
         sv = _tensor(src)
         if (isinstance(reps, int) and not isinstance(reps, bool) and reps >= 1 and dim in (1, -3)
                 and sv is not None and sv.dim() == 4 and known_true(sv.shape[1] * reps == xv.shape[1])
-                and _same_shape((sv.shape[0], *sv.shape[2:]), (xv.shape[0], *xv.shape[2:]))):
+                and same_shape((sv.shape[0], *sv.shape[2:]), (xv.shape[0], *xv.shape[2:]))):
             return src, reps, [x]
         return x, 1, []
     if k not in ("reshape", "view"):
@@ -201,8 +197,8 @@ def unrepeat_kv(x: fx.Node) -> Tuple[fx.Node, int, List[fx.Node]]:
     if sv is None or ev is None or sv.dim() != 4 or ev.dim() != 5:
         return x, 1, []
     B, Hkv, S, D = sv.shape
-    if not (_same_shape((ev.shape[0], ev.shape[1], ev.shape[3], ev.shape[4]), (B, Hkv, S, D))
-            and _same_shape(tuple(xv.shape), (B, Hkv * ev.shape[2], S, D))):
+    if not (same_shape((ev.shape[0], ev.shape[1], ev.shape[3], ev.shape[4]), (B, Hkv, S, D))
+            and same_shape(tuple(xv.shape), (B, Hkv * ev.shape[2], S, D))):
         return x, 1, []
     n = ev.shape[2]
     try:
@@ -563,7 +559,7 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
         src, c = (a, b) if isinstance(a, fx.Node) else ((b, a) if op_kind(q) == "mul" else (None, None))
         cv = known_number(c) if not isinstance(c, fx.Node) or _tensor(c) is None else None
         if src is not None and cv is not None and cv != 0.0 and _tensor(src) is not None \
-                and _same_shape(tuple(_tensor(src).shape), tuple(_tensor(q).shape)):
+                and same_shape(tuple(_tensor(src).shape), tuple(_tensor(q).shape)):
             scaling *= cv if op_kind(q) == "mul" else 1.0 / cv
             pre_q.append(q)
             q = src
@@ -608,9 +604,9 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
             return None, "attention sinks that do not broadcast to [B, Hq, S, 1]"
     if not known_true(Hq % Hkv == 0):
         return None, f"q heads ({Hq}) are not a known multiple of kv heads ({Hkv})"
-    if not _same_shape(tuple(_tensor(qk).shape), (B, Hq, S, Skv)):
+    if not same_shape(tuple(_tensor(qk).shape), (B, Hq, S, Skv)):
         return None, "q @ k^T broadcasts (score shape is not [B, Hq, S, Skv])"
-    if not _same_shape(tuple(scores_v.shape), (B, Hq, S, Skv)):
+    if not same_shape(tuple(scores_v.shape), (B, Hq, S, Skv)):
         return None, "the mask broadcasts the scores to a larger shape"
     dts = {qv.dtype, kv.dtype, v0v.dtype}
     out = _tensor(pv_node)
@@ -624,7 +620,7 @@ def match_attention(sm: fx.Node) -> Tuple[Optional[AttentionSite], Optional[str]
         cast_to = out.dtype
     elif len(dts) != 1 or qv.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None, f"q / k / v dtypes {sorted(map(str, dts))} (need one of bf16 / fp16 / fp32)"
-    if out is None or out.dtype != (cast_to or qv.dtype) or not _same_shape(tuple(out.shape), (B, Hq, S, Dv)):
+    if out is None or out.dtype != (cast_to or qv.dtype) or not same_shape(tuple(out.shape), (B, Hq, S, Dv)):
         return None, "probs @ v output is not [B, Hq, S, Dv] in q's dtype"
     if len({t.device for t in (qv, kv, v0v)}) != 1:
         return None, "q / k / v on different devices"
