@@ -15,7 +15,13 @@ the forward (3 matmuls with a trainable head, 2 frozen); "log_probs_loss off" is
 Section ``grpo``: the whole GRPO token loss (clipped ratio x advantage, completion mask) compiled by Inductor and
 by fxfuse next to Liger's fused GRPO loss.
 
-Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [frozen] [grpo] [profile]
+Section ``ce_none``: a custom loop's loss, ``F.cross_entropy(logits, y, reduction="none")`` weighted per token and
+averaged over the weights (ignored rows, a per-token weight), Llama-3-8B head, 8192 tokens: the ``log_probs_loss``
+pass takes the per-token cross-entropy with the loss over it and forms the gradients in the forward; beside it the
+same compile with the pass off, the plain ``reduction="mean"`` loss through fxfuse, eager, Inductor and the floor.
+
+Run (device machine):  PYTHONPATH=. python3 benchmarks/bench_log_probs.py [check] [time] [frozen] [grpo] [ce_none]
+[profile]
 Writes $OUT/bench_log_probs.jsonl. On CPU it runs a tiny smoke version.
 """
 from __future__ import annotations
@@ -221,6 +227,63 @@ def time_grpo_loss():
         torch.cuda.empty_cache() if DEV == "cuda" else None
 
 
+def time_ce_none():
+    """Per-token cross-entropy (reduction="none") with a weighted token mean over it, as custom training loops write
+    it: ignored rows (-100, every 7th as in the LCE anchor), a per-token weight; fwd+bwd of h and W."""
+    N, D, V = (8192, 4096, 128256) if not SMOKE else (64, 32, 500)
+    torch.manual_seed(0)
+    h = torch.randn(N, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    W = (torch.randn(V, D, device=DEV) / D ** 0.5).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, V, (N,), device=DEV)
+    y[::7] = -100
+    w = torch.rand(N, device=DEV)
+
+    def weighted(h, W):
+        tok = F.cross_entropy(F.linear(h, W).float(), y, reduction="none")
+        return (tok * w).sum() / (w * (y != -100)).sum()
+
+    def mean(h, W):
+        return F.cross_entropy(F.linear(h, W).float(), y)
+
+    impls = {"eager": weighted, "inductor": torch.compile(weighted),
+             "fxfuse (pass)": torch.compile(weighted, backend="fxfuse"),
+             "fxfuse (pass, log_probs_loss off)": torch.compile(weighted, backend="fxfuse", options=LOSS_PASS_OFF),
+             "fxfuse, reduction mean (other loss)": torch.compile(mean, backend="fxfuse")}
+    ref = None
+    for name, fn in impls.items():
+        def step(fn=fn):
+            h.grad = None
+            W.grad = None
+            loss = fn(h, W)
+            loss.backward()
+            return loss
+        try:
+            loss = step()
+            errs = {}
+            if ref is None:
+                ref = (loss.detach().clone(), h.grad.clone(), W.grad.clone())
+            if "other loss" not in name:
+                errs = dict(loss_rel=rel(loss, ref[0]), gh_rel=rel(h.grad, ref[1]), gW_rel=rel(W.grad, ref[2]))
+            ms, mem = bench(step)
+            emit(section="ce_none", shape=f"llama3-8b head {N} tokens, weighted token mean", impl=name,
+                 ms=round(ms, 3), peak_gib=round(mem, 3), **errs)
+            if PROFILE and name == "fxfuse (pass)":
+                profile_step("ce_none", name, step)
+        except Exception as e:
+            emit(section="ce_none", impl=name, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+
+    def floor():
+        h.grad = None
+        W.grad = None
+        z = F.linear(h, W)
+        z.backward(torch.randn_like(z) if SMOKE else z)
+    ms, mem = bench(floor)
+    emit(section="ce_none", shape=f"llama3-8b head {N} tokens", impl="3-matmul floor (cuBLAS)", ms=round(ms, 3),
+         peak_gib=round(mem, 3))
+
+
 if __name__ == "__main__":
     secs = [a for a in sys.argv[1:] if a != "profile"] or ["check", "time"]
     if DEV == "cuda":
@@ -235,3 +298,5 @@ if __name__ == "__main__":
         time_head(frozen=True)
     if "grpo" in secs:
         time_grpo_loss()
+    if "ce_none" in secs:
+        time_ce_none()
