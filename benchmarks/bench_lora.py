@@ -25,6 +25,7 @@ from _common import DEV, SMOKE, bench, jsonl_emitter, rel  # noqa: E402
 
 import fxfuse  # noqa: E402,F401
 from fxfuse.kernels import lora_linear as K  # noqa: E402
+from fxfuse.kernels import lowrank_gemm as G  # noqa: E402
 from fxfuse.ops.lora_linear import lora_dropout_keep_mask, lora_linear  # noqa: E402
 
 emit = jsonl_emitter("bench_lora.jsonl")
@@ -134,14 +135,16 @@ def time_layers():
 
             variants = {"peft eager": model, "peft inductor": torch.compile(model),
                         "peft fxfuse": torch.compile(model, backend="fxfuse"),
-                        "fxfuse op": "op"}
+                        "fxfuse op": "op", "fxfuse op (low-rank GEMM off: cuBLAS addmm_)": "op-addmm"}
             for iname, m in variants.items():
                 def step(m=m):
                     x.grad = None
                     for p in lw:
                         p.grad = None
-                    if m == "op":
+                    if m in ("op", "op-addmm"):
+                        G.ENABLED = m == "op"
                         y = op_call()
+                        G.ENABLED = True
                     else:
                         y = m(x)
                     y.backward(go)

@@ -14,12 +14,15 @@ bandwidth-bound passes over [N, din] / [N, dout] tensors. PEFT runs each as its 
 
 * forward:  ``V = s * drop(x) @ A.T`` (one read of x for all adapters of all projections that share a dropout
   setting: ``_lora_down_kernel``, dropout applied in registers), ``y_j = addmm(V_j @ B_j.T (+ bias), x, W_j.T)``:
-  the low-rank product is the addmm's C operand, which cuBLAS reads in its epilogue (no ``y + delta`` pass).
+  the low-rank product is the addmm's C operand, which cuBLAS reads in its epilogue (no ``y + delta`` pass); on
+  Hopper one more K step of the base GEMM instead (last point below).
 * backward: ``gV_j = gy_j @ B_j`` and ``gB_j = gy_j.T @ V_j`` (cuBLAS); the low-rank part of grad x,
   ``s * sum_i keep_i * (gV_i @ A_i) / (1 - p)``, and ``gA_i = s * gV_i.T @ (keep_i * x) / (1 - p)`` come from one
   kernel (``_lora_up_dropout_bwd_kernel``: one read of x, one write of the [N, din] term, each mask regenerated
   once per tile); then every projection's base GEMM adds ``gy_j @ W_j`` into that buffer in place, so sibling
   projections' grad x are summed without a separate pass.
+* On Hopper (TMA), ``V_j @ B_j.T`` and, without dropout, ``gV @ A`` are instead one more K step of the base GEMM
+  (``kernels/lowrank_gemm.py``): the low-rank product never goes through memory as an [N, d] C operand.
 
 Dropout masks: Triton's Philox (``tl.rand``) keyed by a per-call, per-adapter seed (a device tensor drawn from
 torch's generator, so ``torch.manual_seed`` reproduces it and there is no host sync) and the counter
@@ -43,6 +46,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .lowrank_gemm import lowrank_gemm, lowrank_gemm_supported
 from .triton_support import HAVE_TRITON, interpreting, tl, triton, use_triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
@@ -490,7 +494,11 @@ def lora_forward(x, weights, biases, A, Bs, seeds, ranks, counts, scalings, drop
     ys = []
     for W, b, B, cols in zip(weights, biases, Bs, _projection_slices(counts, ranks)):
         Bc = _compute_dtype(B, x.dtype)
-        # The low-rank product is the C operand of the base GEMM: cuBLAS adds it in its epilogue.
+        if use_triton(x, FORCE_TRITON) and lowrank_gemm_supported(x, W, V[:, cols], Bc, b):
+            # V_j @ B_j.T as one more K step of the base GEMM's accumulator (kernels/lowrank_gemm.py)
+            ys.append(lowrank_gemm(x, W, V[:, cols], Bc, b))
+            continue
+        # Otherwise the low-rank product is the C operand of the base GEMM: cuBLAS adds it in its epilogue.
         C = torch.addmm(b, V[:, cols], Bc.t()) if b is not None else torch.mm(V[:, cols], Bc.t())
         # In place: out-of-place addmm first copies C into a fresh output (a 64 us DtoD copy at 16384 x 4096).
         ys.append(C.addmm_(x, W.t()))
@@ -569,10 +577,16 @@ def lora_backward(gys, x, weights, A, Bs, V, seeds, ranks, counts, scalings, dro
         for gy, B, cols in zip(gys, Bs, projs):
             gbs.append(_compute_dtype(gy.t() @ V[:, cols], B.dtype))
     C2 = None
+    gx_done = 0  # projections whose base term gy_j @ W_j is already in C2
     if need_gv and all(p == 0 for p in dropout_p):  # no dropout: all adapters in one product each
         Ac = _compute_dtype(A, x.dtype)
         if need_gx:
-            C2 = gV @ Ac
+            gy0, W0 = gys[0], weights[0]
+            if use_triton(x, FORCE_TRITON) and lowrank_gemm_supported(gy0, W0, gV, Ac, b_kn=True, u_kn=True):
+                # gy_0 @ W_0 + gV @ A in one accumulator (kernels/lowrank_gemm.py); the siblings add in below
+                C2, gx_done = lowrank_gemm(gy0, W0, gV, Ac, b_kn=True, u_kn=True), 1
+            else:
+                C2 = gV @ Ac
         if need_ga:
             ga = _compute_dtype(gV.t() @ x, A.dtype)
     elif need_gv:
@@ -602,7 +616,7 @@ def lora_backward(gys, x, weights, A, Bs, V, seeds, ranks, counts, scalings, dro
             ga = _compute_dtype(ga32, A.dtype)
     if need_gx:
         gx = C2
-        for gy, W in zip(gys, weights):  # the base GEMMs add into the low-rank term in place (no copy, no sum)
+        for gy, W in zip(gys[gx_done:], weights[gx_done:]):  # the base GEMMs add in place (no copy, no sum)
             gx = gx.addmm_(gy, W)
     if need_gw:
         gws = [gy.t() @ x for gy in gys]

@@ -1,0 +1,144 @@
+"""A GEMM with a low-rank term in the same accumulator: ``C = A @ op(B) + V @ op(U) (+ bias)``.
+
+LoRA's ``y = x @ W.T + (s * drop(x) @ A.T) @ B.T`` and, without dropout, its ``grad x = gy @ W + gV @ A`` are a
+base GEMM plus a rank-r product. cuBLAS can only take the rank-r product as ``addmm``'s C operand: it is written to
+memory ([N, d_out], as large as the output) and read back in the GEMM's epilogue, and the C-operand kernels cuBLAS
+picks run slower than its plain ones (``benchmarks/lora_notes.md``: on an H100 at 16384 x 4096 x 4096, ``mm`` 0.69
+ms, the product + ``addmm_`` 0.79 ms). Here the rank-r product is one more K step of a persistent TMA GEMM: after
+the main K loop each output tile's fp32 accumulator takes ``V[rows, :r] @ U[:r, cols]`` (one [BM, r] and one
+[r, BN] tile, a single ``tl.dot``), so nothing [N, d_out] is written twice (0.75 ms at that shape).
+
+Layouts (all row-major): A [M, K]; B [N, K] (``b_kn=False``: ``x @ W.T``) or [K, N] (``b_kn=True``: ``gy @ W``);
+V [M, R]; U [N, R] (``u_kn=False``: B_lora [d_out, r]) or [R, N] (``u_kn=True``: A_lora [r, d_in]). Operands are
+read through TMA descriptors (tiles past a dim's end read as zero: ragged sizes and ranks below 16 need no masks),
+so every operand's rows must be 16-byte aligned; :func:`lowrank_gemm_supported` says whether a call qualifies and
+callers fall back to cuBLAS otherwise. Coordinates are int32 per dimension (the copy engine's), addresses 64-bit:
+no offset wraps at 2**31 elements.
+
+Where: CUDA with the copy engine (sm_90+), 16-bit operands; the Triton interpreter (CPU tests, fp32). Launch
+setting from a sweep on an H100 (``benchmarks/experiments/lora_lowrank_gemm.py``): 128 x 256 tiles, K step 64,
+3 stages, 8 warps, a flattened persistent loop over the tiles in groups of 8 row blocks (L2 reuse of B).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from .triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
+
+__all__ = ["lowrank_gemm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
+
+CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8)
+# The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
+INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, num_stages=1, num_warps=4)
+# FXFUSE_LORA_LOWRANK_GEMM=0 (or ENABLED = False at run time) keeps cuBLAS's ``addmm_`` path: benchmarks time both.
+ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
+
+
+def _rank_pad(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))  # tl.dot needs every dimension >= 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _lowrank_gemm_kernel(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, M, N, K,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
+                             B_KN: tl.constexpr, U_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(N, BN)
+        k_tiles = tl.cdiv(K, BK)
+        num_tiles = num_pid_m * num_pid_n
+        in_group = GROUP_M * num_pid_n
+        # Persistent: each program walks tiles NUM_PROGRAMS apart; consecutive tiles share a group of GROUP_M row
+        # blocks, so the B tiles they read stay in L2.
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+            first_m = (tile // in_group) * GROUP_M
+            size_m = min(num_pid_m - first_m, GROUP_M)
+            om = (first_m + tile % size_m) * BM
+            on = ((tile % in_group) // size_m) * BN
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = a_desc.load([om, ki * BK])
+                if B_KN:
+                    acc = tl.dot(a, b_desc.load([ki * BK, on]), acc)
+                else:
+                    acc = tl.dot(a, b_desc.load([on, ki * BK]).T, acc)
+            # The low-rank term: one more K step of width RP (rank columns past R read as zero).
+            v = v_desc.load([om, 0])
+            if U_KN:
+                acc = tl.dot(v, u_desc.load([0, on]), acc)
+            else:
+                acc = tl.dot(v, u_desc.load([on, 0]).T, acc)
+            if HAS_BIAS:
+                cols = on + tl.arange(0, BN)
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            c_desc.store([om, on], acc.to(c_desc.dtype))
+
+
+def _config(t: torch.Tensor) -> dict:
+    return INTERPRETER_CONFIG if interpreting() else CONFIG
+
+
+def _descriptors(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    RP = _rank_pad(v.shape[1])
+    blocks = [(a, [BM, BK]), (b, [BK, BN] if b_kn else [BN, BK]), (v, [BM, RP]),
+              (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
+    return [tile_descriptor(t, blk) for t, blk in blocks]
+
+
+def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False) -> bool:
+    """Whether :func:`lowrank_gemm` can run these operands: Triton on CUDA sm_90+ with 16-bit operands of one
+    dtype (or the interpreter), rank <= 64, every operand addressable by the copy engine (16-byte aligned rows and
+    base), the output's row too."""
+    if not (HAVE_TRITON and ENABLED) or v.shape[1] > 64 or v.shape[1] == 0 or a.shape[0] == 0:
+        return False
+    dt = a.dtype
+    if any(t.dtype != dt for t in (b, v, u)) or (bias is not None and bias.dtype != dt):
+        return False
+    if a.is_cuda:
+        if interpreting() or dt not in (torch.bfloat16, torch.float16):
+            return False
+        if torch.cuda.get_device_capability(a.device)[0] < 9:
+            return False
+    elif not interpreting():
+        return False
+    n = b.shape[1] if b_kn else b.shape[0]
+    if (n * a.element_size()) % 16:  # the output's rows
+        return False
+    return all(d is not None for d in _descriptors(a, b, v, u, None, b_kn, u_kn, _config(a)))
+
+
+def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
+                 u_kn: bool = False) -> torch.Tensor:
+    """``a @ op(b) + v @ op(u) (+ bias)`` in a's dtype with fp32 accumulation (see the module docstring for the
+    layouts). Call only where :func:`lowrank_gemm_supported` says so."""
+    M, K = a.shape
+    N = b.shape[1] if b_kn else b.shape[0]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    cfg = dict(_config(a))
+    a_d, b_d, v_d, u_d, c_d = _descriptors(a, b, v, u, c, b_kn, u_kn, cfg)
+    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
+    programs = min(tiles, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
+                   if a.is_cuda else 4)
+    _lowrank_gemm_kernel[(programs,)](
+        a_d, b_d, v_d, u_d, c_d, bias if bias is not None else a, M, N, K, RP=_rank_pad(v.shape[1]),
+        B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **cfg)
+    return c
+
+
+def lowrank_gemm_reference(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False) -> torch.Tensor:
+    """Float64 reference of :func:`lowrank_gemm`."""
+    a, b, v, u = (t.double() for t in (a, b, v, u))
+    out = a @ (b if b_kn else b.t()) + v @ (u if u_kn else u.t())
+    return out + bias.double() if bias is not None else out

@@ -1,0 +1,98 @@
+"""``kernels/lowrank_gemm.py`` (a GEMM with LoRA's rank-r product as one more K step of its accumulator) against
+float64, through the Triton interpreter on CPU: every operand layout, ragged sizes, ranks below the 16-wide dot,
+bias; the LoRA op's forward and its dropout-free grad x taking it; the cases it must decline."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxfuse.kernels import lora_linear as K
+from fxfuse.kernels import lowrank_gemm as G
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting
+
+pytestmark = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
+                                reason="runs the kernel on CPU tensors through TRITON_INTERPRET=1")
+
+
+def _operands(M, N, K_, R, b_kn, u_kn, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return (r(M, K_), r(K_, N) if b_kn else r(N, K_), r(M, R), r(R, N) if u_kn else r(N, R),
+            r(N) if bias else None)
+
+
+@pytest.mark.parametrize("b_kn,u_kn", [(False, False), (True, True), (False, True), (True, False)])
+@pytest.mark.parametrize("M,N,K_,R,bias", [(70, 36, 104, 4, True), (33, 64, 40, 12, False), (96, 40, 64, 16, True)])
+def test_matches_float64(M, N, K_, R, bias, b_kn, u_kn):
+    a, b, v, u, bb = _operands(M, N, K_, R, b_kn, u_kn, bias)
+    assert G.lowrank_gemm_supported(a, b, v, u, bb, b_kn=b_kn, u_kn=u_kn)
+    out = G.lowrank_gemm(a, b, v, u, bb, b_kn=b_kn, u_kn=u_kn)
+    ref = G.lowrank_gemm_reference(a, b, v, u, bb, b_kn=b_kn, u_kn=u_kn)
+    assert out.shape == ref.shape and out.dtype == a.dtype
+    # fp32 operands: as close as torch's own fp32 matmul is
+    eager = (a.double() @ (b if b_kn else b.t()).double()).float() + (v @ (u if u_kn else u.t())) + \
+        (bb if bias else 0)
+    err, eager_err = ((out.double() - ref).norm() / ref.norm()).item(), ((eager.double() - ref).norm() / ref.norm()).item()
+    assert err < max(2 * eager_err, 1e-6), (err, eager_err)
+
+
+def test_declines_what_the_copy_engine_cannot_address():
+    a, b, v, u, _ = _operands(16, 24, 32, 4, False, False, False)
+    assert not G.lowrank_gemm_supported(a, b[:, :30].contiguous()[:, 1:], v, u)  # K strides not 16-byte aligned
+    assert not G.lowrank_gemm_supported(a, b[:21], v, u[:21])  # 21 output columns: rows of 84 bytes
+    assert not G.lowrank_gemm_supported(a, b, v.double(), u)  # mixed dtypes
+    assert not G.lowrank_gemm_supported(a, b, torch.randn(16, 80), torch.randn(24, 80))  # rank above 64
+    assert not G.lowrank_gemm_supported(a[:0], b, v[:0], u)  # no rows
+
+
+def test_lora_op_forward_and_grad_x_take_it(monkeypatch):
+    """The LoRA op (Triton path forced, as on a GPU) calls the kernel for y and, without dropout, for grad x, and
+    matches float64 in y and every gradient; with dropout the grad x keeps the dropout kernel's term."""
+    from tests.test_lora_op import _check, _inputs
+
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    calls = []
+    real = K.lowrank_gemm
+
+    def counted(*args, **kw):
+        calls.append(kw.get("b_kn", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(K, "lowrank_gemm", counted)
+    x, W, b, As, Bs = _inputs(37, 48, 40, (4,), torch.float32, bias=True)
+    _check(x, W, b, As, Bs, [2.0], (0.0,), tol=2e-5)
+    assert calls == [False, True]  # forward, then grad x
+    calls.clear()
+    x, W, b, As, Bs = _inputs(37, 48, 40, (4, 8), torch.float32)
+    _check(x, W, b, As, Bs, [2.0, 0.5], (0.0, 0.25), tol=2e-5)
+    assert calls == [False]  # forward only: dropout's grad x term comes from its own kernel
+
+
+def test_grouped_projections_sum_grad_x(monkeypatch):
+    """q/k/v after horizontal fusion: the first projection's base GEMM and the low-rank term in one kernel, the
+    siblings' base GEMMs added in place: grad x against float64."""
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    calls = []
+    real = K.lowrank_gemm
+    monkeypatch.setattr(K, "lowrank_gemm", lambda *a, **kw: calls.append(kw.get("b_kn", False)) or real(*a, **kw))
+    g = torch.Generator().manual_seed(1)
+    N, din, douts, r = 29, 32, (24, 8, 8), 4
+    x = torch.randn(N, din, generator=g).requires_grad_()
+    Ws = [torch.randn(d, din, generator=g) / din ** 0.5 for d in douts]
+    A = (torch.randn(3 * r, din, generator=g) / din ** 0.5).requires_grad_()
+    Bs = [(torch.randn(d, r, generator=g) / r ** 0.5).requires_grad_() for d in douts]
+    seeds = K.draw_seeds(3, "cpu")
+    args = (A, Bs, None, [r] * 3, [1] * 3, [2.0] * 3, [0.0] * 3)
+    ys, V = K.lora_forward(x.detach(), Ws, [None] * 3, A.detach(), [q.detach() for q in Bs], seeds, *args[3:])
+    gys = [torch.randn_like(y) for y in ys]
+    gx = K.lora_backward(gys, x.detach(), Ws, A.detach(), [q.detach() for q in Bs], V, seeds, [r] * 3, [1] * 3,
+                         [2.0] * 3, [0.0] * 3, True, False, False, False, False)[0]
+    xd = x.detach().double()
+    ref = sum(gy.double() @ W.double() + 2.0 * (gy.double() @ B.detach().double()) @ A.detach().double()[i * r:(i + 1) * r]
+              for i, (gy, W, B) in enumerate(zip(gys, Ws, Bs)))
+    assert calls == [False, False, False, True]  # three forward projections, one grad x
+    assert ((gx.double() - ref).norm() / ref.norm()).item() < 1e-5
+    yref = [xd @ W.double().t() + 2.0 * (xd @ A.detach().double()[i * r:(i + 1) * r].t()) @ B.detach().double().t()
+            for i, (W, B) in enumerate(zip(Ws, Bs))]
+    for y, yr in zip(ys, yref):
+        assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-5
