@@ -85,8 +85,24 @@ if HAVE_TRITON:
             c_desc.store([om, on], acc.to(c_desc.dtype))
 
 
-def _config(t: torch.Tensor) -> dict:
-    return INTERPRETER_CONFIG if interpreting() else CONFIG
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def _config(t: torch.Tensor, rank: int) -> Optional[dict]:
+    """The launch setting for ``t``'s device and this rank, or None if its tiles do not fit shared memory. The
+    software pipeline keeps ``num_stages`` A and B tiles; the low-rank tiles and the output tile come on top (at
+    rank 32 three stages need 232 KiB, past an H100's 227 KiB), so wider ranks take fewer stages."""
+    if interpreting() or not t.is_cuda:
+        return INTERPRETER_CONFIG
+    cfg = dict(CONFIG)
+    es, BM, BN, BK = t.element_size(), cfg["BM"], cfg["BN"], cfg["BK"]
+    fixed = (BM * _rank_pad(rank) + _rank_pad(rank) * BN + BM * BN) * es
+    limit = _smem_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    while cfg["num_stages"] > 1 and fixed + cfg["num_stages"] * (BM * BK + BK * BN) * es > limit - 1024:
+        cfg["num_stages"] -= 1  # 1 KiB kept for the pipeline's barriers
+    return cfg if cfg["num_stages"] > 1 else None
 
 
 def _descriptors(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
@@ -116,7 +132,8 @@ def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool
     n = b.shape[1] if b_kn else b.shape[0]
     if (n * a.element_size()) % 16:  # the output's rows
         return False
-    return all(d is not None for d in _descriptors(a, b, v, u, None, b_kn, u_kn, _config(a)))
+    cfg = _config(a, v.shape[1])
+    return cfg is not None and all(d is not None for d in _descriptors(a, b, v, u, None, b_kn, u_kn, cfg))
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
@@ -126,7 +143,7 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    cfg = dict(_config(a))
+    cfg = dict(_config(a, v.shape[1]))
     a_d, b_d, v_d, u_d, c_d = _descriptors(a, b, v, u, c, b_kn, u_kn, cfg)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     programs = min(tiles, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
