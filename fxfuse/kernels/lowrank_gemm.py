@@ -36,6 +36,9 @@ CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_
 INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, num_stages=1, num_warps=4)
 # FXFUSE_LORA_LOWRANK_GEMM=0 (or ENABLED = False at run time) keeps cuBLAS's ``addmm_`` path: benchmarks time both.
 ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
+# One program per SM walking the tiles (persistent) or one program per tile (FXFUSE_LOWRANK_GEMM_PERSISTENT=0):
+# a persistent grid holds every SM for the whole GEMM, which NCCL kernels running beside it (FSDP2) must wait for.
+PERSISTENT = os.environ.get("FXFUSE_LOWRANK_GEMM_PERSISTENT", "1") != "0"
 
 
 def _rank_pad(r: int) -> int:
@@ -146,8 +149,10 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     cfg = dict(_config(a, v.shape[1]))
     a_d, b_d, v_d, u_d, c_d = _descriptors(a, b, v, u, c, b_kn, u_kn, cfg)
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
-    programs = min(tiles, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
-                   if a.is_cuda else 4)
+    programs = tiles
+    if PERSISTENT:
+        programs = min(tiles, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
+                       if a.is_cuda else 4)
     _lowrank_gemm_kernel[(programs,)](
         a_d, b_d, v_d, u_d, c_d, bias if bias is not None else a, M, N, K, RP=_rank_pad(v.shape[1]),
         B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **cfg)
