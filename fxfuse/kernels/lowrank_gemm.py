@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
+from .triton_support import HAVE_TRITON, interpreting, tile_addressable, tile_descriptor, tl, triton
 
 __all__ = ["lowrank_gemm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
@@ -108,12 +108,12 @@ def _config(t: torch.Tensor, rank: int) -> Optional[dict]:
     return cfg if cfg["num_stages"] > 1 else None
 
 
-def _descriptors(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
+def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
+    """(operand, tile shape) for each descriptor the kernel reads or writes (c: None while only checking)."""
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     RP = _rank_pad(v.shape[1])
-    blocks = [(a, [BM, BK]), (b, [BK, BN] if b_kn else [BN, BK]), (v, [BM, RP]),
-              (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
-    return [tile_descriptor(t, blk) for t, blk in blocks]
+    return [(a, [BM, BK]), (b, [BK, BN] if b_kn else [BN, BK]), (v, [BM, RP]),
+            (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
 
 
 def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False) -> bool:
@@ -136,7 +136,8 @@ def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool
     if (n * a.element_size()) % 16:  # the output's rows
         return False
     cfg = _config(a, v.shape[1])
-    return cfg is not None and all(d is not None for d in _descriptors(a, b, v, u, None, b_kn, u_kn, cfg))
+    # checked without building the descriptors: this runs for every projection of every call
+    return cfg is not None and all(tile_addressable(t, blk) for t, blk in _tiles(a, b, v, u, None, b_kn, u_kn, cfg))
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
@@ -147,7 +148,7 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     cfg = dict(_config(a, v.shape[1]))
-    a_d, b_d, v_d, u_d, c_d = _descriptors(a, b, v, u, c, b_kn, u_kn, cfg)
+    a_d, b_d, v_d, u_d, c_d = (tile_descriptor(t, blk) for t, blk in _tiles(a, b, v, u, c, b_kn, u_kn, cfg))
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     programs = tiles
     if PERSISTENT:

@@ -26,18 +26,24 @@ except Exception:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp",
-           "tile_descriptor"]
+           "tile_descriptor", "tile_addressable"]
+
+
+def tile_addressable(t, block_shape) -> bool:
+    """Whether the copy engine can load ``block_shape`` tiles of ``t``: its last dim contiguous, every other stride
+    and the base 16-byte aligned (e.g. not a head dim that is not a multiple of 8 in bf16), a tile row of at least
+    16 bytes, and descriptor support in this Triton."""
+    if TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
+        return False
+    es = t.element_size()
+    return not any((st * es) % 16 for st in t.stride()[:-1]) and block_shape[-1] * es >= 16
 
 
 def tile_descriptor(t, block_shape):
     """A TMA tensor descriptor over ``t`` that loads ``block_shape`` tiles (rows past a dim's end read as 0), or
-    None where the copy engine cannot address ``t``: its last dim strided, another stride or the base not 16-byte
-    aligned (e.g. a head dim that is not a multiple of 8 in bf16), or no descriptor support in this Triton.
-    Kernels take the descriptor where they get one and fall back to pointer tiles otherwise."""
-    if TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
-        return None
-    es = t.element_size()
-    if any((st * es) % 16 for st in t.stride()[:-1]) or block_shape[-1] * es < 16:
+    None where the copy engine cannot address ``t`` (:func:`tile_addressable`). Kernels take the descriptor where
+    they get one and fall back to pointer tiles otherwise."""
+    if not tile_addressable(t, block_shape):
         return None
     return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block_shape))
 
