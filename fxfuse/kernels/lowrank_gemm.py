@@ -99,11 +99,17 @@ def _config(t: torch.Tensor, rank: int) -> Optional[dict]:
     rank 32 three stages need 232 KiB, past an H100's 227 KiB), so wider ranks take fewer stages."""
     if interpreting() or not t.is_cuda:
         return INTERPRETER_CONFIG
-    cfg = dict(CONFIG)
-    es, BM, BN, BK = t.element_size(), cfg["BM"], cfg["BN"], cfg["BK"]
-    fixed = (BM * _rank_pad(rank) + _rank_pad(rank) * BN + BM * BN) * es
     limit = _smem_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    while cfg["num_stages"] > 1 and fixed + cfg["num_stages"] * (BM * BK + BK * BN) * es > limit - 1024:
+    return config_for(t.element_size(), rank, limit)
+
+
+def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
+    """:data:`CONFIG` with as many pipeline stages (at most its own) as fit ``smem_limit`` bytes of shared memory
+    beside the low-rank and output tiles, or None below two stages."""
+    cfg = dict(CONFIG)
+    BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], _rank_pad(rank)
+    fixed = (BM * RP + RP * BN + BM * BN) * element_size
+    while cfg["num_stages"] > 1 and fixed + cfg["num_stages"] * (BM * BK + BK * BN) * element_size > smem_limit - 1024:
         cfg["num_stages"] -= 1  # 1 KiB kept for the pipeline's barriers
     return cfg if cfg["num_stages"] > 1 else None
 
