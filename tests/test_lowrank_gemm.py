@@ -106,3 +106,10 @@ def test_pipeline_stages_fit_shared_memory():
     assert G.config_for(2, 32, h100)["num_stages"] == 2
     assert G.config_for(2, 64, h100)["num_stages"] == 2
     assert G.config_for(2, 16, 100 * 1024) is None
+
+
+def test_interpreter_declines_16_bit_operands():
+    """The interpreter computes in numpy, which has no bf16: 16-bit CPU operands take the cuBLAS-style path."""
+    a, b, v, u, _ = _operands(16, 24, 32, 4, False, False, False)
+    assert G.lowrank_gemm_supported(a, b, v, u)
+    assert not G.lowrank_gemm_supported(*(t.bfloat16() for t in (a, b, v, u)))

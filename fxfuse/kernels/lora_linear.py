@@ -40,14 +40,13 @@ compile and run the same kernels as before. A and grad A ([R, din], R = the adap
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .lowrank_gemm import lowrank_gemm, lowrank_gemm_supported
-from .triton_support import HAVE_TRITON, interpreting, tl, triton, use_triton
+from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tl, triton, use_triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
            "max_offset", "needs_int64_idx"]
@@ -79,13 +78,6 @@ def _dropout_threshold(p: float) -> Tuple[int, float]:
     return t, 65536.0 / (65536 - t)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _rank_pad(r: int) -> int:
-    return max(16, triton.next_power_of_2(r))  # tl.dot needs every dimension >= 16
 
 
 # ================================================================================================ 64-bit offsets
@@ -451,7 +443,7 @@ def _down_dropout(x, A_run, V_run, seeds_run, na, r, s, p):
         _check_int32_adapters(A_run)
         _lora_down_kernel[(triton.cdiv(N, cfg["BM"]),)](
             x, x.stride(0), A_run, A_run.stride(0), V_run, V_run.stride(0), seeds_run, N, din, r, thresh, s * inv,
-            RP=_rank_pad(r), NA=na, DOT_F32=interpreting() or x.dtype == torch.float32, **MASK_CONFIG, **cfg,
+            RP=dot_pad(r), NA=na, DOT_F32=interpreting() or x.dtype == torch.float32, **MASK_CONFIG, **cfg,
             INT64_IDX=_int64_idx(x, V_run))
         return
     inv = 1.0 / (1.0 - p)
@@ -518,15 +510,14 @@ def _up_dropout_bwd(gV_run, A_run, x, C, ga32_run, seeds_run, na, r, s, p, write
         cfg = UP_BWD_CONFIG
         BM, BK = cfg["BM"], cfg["BK"]
         ncol = triton.cdiv(din, BK)
-        sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if x.is_cuda else 4
+        sms = sm_count(x)
         nsplit = max(1, min(triton.cdiv(N, BM), (2 * sms) // ncol))
         _check_int32_adapters(A_run, *((ga32_run,) if write_ga else ()))
         int64_idx = _int64_idx(gV_run, x, *((C,) if write_c else ()))
         _lora_up_dropout_bwd_kernel[(ncol, nsplit)](
             gV_run, gV_run.stride(0), A_run, A_run.stride(0), x, x.stride(0),
             C if write_c else x, C.stride(0) if write_c else 0, ga32_run if write_ga else x,
-            ga32_run.stride(0) if write_ga else 0, seeds_run, N, din, r, thresh, s * inv, RP=_rank_pad(r), NA=na,
+            ga32_run.stride(0) if write_ga else 0, seeds_run, N, din, r, thresh, s * inv, RP=dot_pad(r), NA=na,
             WRITE_C=write_c, ACCUMULATE=accumulate, WRITE_GA=write_ga,
             DOT_F32=interpreting() or x.dtype == torch.float32, **MASK_CONFIG, **cfg, INT64_IDX=int64_idx)
         return

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .triton_support import HAVE_TRITON, interpreting, tile_addressable, tile_descriptor, tl, triton
+from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tile_addressable, tile_descriptor, tl, triton
 
 __all__ = ["lowrank_gemm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
@@ -39,15 +39,6 @@ ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
 # One program per SM walking the tiles (persistent) or one program per tile (FXFUSE_LOWRANK_GEMM_PERSISTENT=0):
 # a persistent grid holds every SM for the whole GEMM, which NCCL kernels running beside it (FSDP2) must wait for.
 PERSISTENT = os.environ.get("FXFUSE_LOWRANK_GEMM_PERSISTENT", "1") != "0"
-
-
-def _rank_pad(r: int) -> int:
-    return max(16, triton.next_power_of_2(r))  # tl.dot needs every dimension >= 16
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 if HAVE_TRITON:
@@ -107,9 +98,10 @@ def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
     """:data:`CONFIG` with as many pipeline stages (at most its own) as fit ``smem_limit`` bytes of shared memory
     beside the low-rank and output tiles, or None below two stages."""
     cfg = dict(CONFIG)
-    BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], _rank_pad(rank)
+    BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], dot_pad(rank)
     fixed = (BM * RP + RP * BN + BM * BN) * element_size
-    while cfg["num_stages"] > 1 and fixed + cfg["num_stages"] * (BM * BK + BK * BN) * element_size > smem_limit - 1024:
+    per_stage = (BM * BK + BK * BN) * element_size
+    while cfg["num_stages"] > 1 and fixed + cfg["num_stages"] * per_stage > smem_limit - 1024:
         cfg["num_stages"] -= 1  # 1 KiB kept for the pipeline's barriers
     return cfg if cfg["num_stages"] > 1 else None
 
@@ -117,14 +109,14 @@ def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
 def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
     """(operand, tile shape) for each descriptor the kernel reads or writes (c: None while only checking)."""
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
-    RP = _rank_pad(v.shape[1])
+    RP = dot_pad(v.shape[1])
     return [(a, [BM, BK]), (b, [BK, BN] if b_kn else [BN, BK]), (v, [BM, RP]),
             (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
 
 
 def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False) -> bool:
     """Whether :func:`lowrank_gemm` can run these operands: Triton on CUDA sm_90+ with 16-bit operands of one
-    dtype (or the interpreter), rank <= 64, every operand addressable by the copy engine (16-byte aligned rows and
+    dtype (or the interpreter, fp32 only), rank <= 64, every operand addressable by the copy engine (16-byte aligned rows and
     base), the output's row too."""
     if not (HAVE_TRITON and ENABLED) or v.shape[1] > 64 or v.shape[1] == 0 or a.shape[0] == 0:
         return False
@@ -136,7 +128,7 @@ def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool
             return False
         if torch.cuda.get_device_capability(a.device)[0] < 9:
             return False
-    elif not interpreting():
+    elif not interpreting() or dt != torch.float32:  # the interpreter (numpy) has no bf16
         return False
     n = b.shape[1] if b_kn else b.shape[0]
     if (n * a.element_size()) % 16:  # the output's rows
@@ -156,12 +148,9 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     cfg = dict(_config(a, v.shape[1]))
     a_d, b_d, v_d, u_d, c_d = (tile_descriptor(t, blk) for t, blk in _tiles(a, b, v, u, c, b_kn, u_kn, cfg))
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
-    programs = tiles
-    if PERSISTENT:
-        programs = min(tiles, _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
-                       if a.is_cuda else 4)
+    programs = min(tiles, sm_count(a)) if PERSISTENT else tiles
     _lowrank_gemm_kernel[(programs,)](
-        a_d, b_d, v_d, u_d, c_d, bias if bias is not None else a, M, N, K, RP=_rank_pad(v.shape[1]),
+        a_d, b_d, v_d, u_d, c_d, bias if bias is not None else a, M, N, K, RP=dot_pad(v.shape[1]),
         B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **cfg)
     return c
 

@@ -8,7 +8,10 @@ kernels (attention, lm-head) choose from.
 """
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 try:
     import triton
@@ -26,7 +29,25 @@ except Exception:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp",
-           "tile_descriptor", "tile_addressable"]
+           "tile_descriptor", "tile_addressable", "sm_count", "dot_pad"]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(t) -> int:
+    """Multiprocessors of CUDA tensor ``t``'s device (persistent grids size themselves by it); 4 elsewhere (the
+    interpreter runs programs one after another)."""
+    if not t.is_cuda:
+        return 4
+    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def dot_pad(n: int) -> int:
+    """``n`` rounded up to a power of two of at least 16: a ``tl.dot`` operand's dimensions must be >= 16."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def tile_addressable(t, block_shape) -> bool:
