@@ -141,13 +141,12 @@ def time_layers():
                     x.grad = None
                     for p in lw:
                         p.grad = None
-                    if m in ("op", "op-addmm"):
-                        G.ENABLED = m == "op"
-                        y = op_call()
+                    G.ENABLED = m != "op-addmm"  # for the whole step: the backward's grad x takes it too
+                    try:
+                        y = op_call() if m in ("op", "op-addmm") else m(x)
+                        y.backward(go)
+                    finally:
                         G.ENABLED = True
-                    else:
-                        y = m(x)
-                    y.backward(go)
                 try:
                     ms, mem = bench(step)
                     emit(section="lora", shape=name, dropout=dropout, impl=iname, ms=round(ms, 3),
