@@ -171,6 +171,35 @@ def time_head(frozen: bool = False):
          peak_gib=round(mem, 3))
 
 
+def time_losses(section, shape, impls, h, W, profiled=(), compare_to_first=lambda name: True):
+    """fwd+bwd of each ``impls[name](h, W) -> loss``: time and peak (``bench``), the loss and both gradients
+    against the first impl's (eager) where ``compare_to_first(name)``, a profile row for the names in
+    ``profiled`` (with ``profile`` on the command line). Errors become rows."""
+    ref = None
+    for name, fn in impls.items():
+        def step(fn=fn):
+            h.grad = None
+            W.grad = None
+            loss = fn(h, W)
+            loss.backward()
+            return loss
+        try:
+            loss = step()
+            if ref is None:
+                ref = (loss.detach().clone(), h.grad.clone(), W.grad.clone())
+            errs = {}
+            if compare_to_first(name):
+                errs = dict(loss_rel=rel(loss, ref[0]), gh_rel=rel(h.grad, ref[1]), gW_rel=rel(W.grad, ref[2]))
+            ms, mem = bench(step)
+            emit(section=section, shape=shape, impl=name, ms=round(ms, 3), peak_gib=round(mem, 3), **errs)
+            if PROFILE and name in profiled:
+                profile_step(section, name, step)
+        except Exception as e:
+            emit(section=section, impl=name, error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
+        torch.cuda.empty_cache() if DEV == "cuda" else None
+
+
 def time_grpo_loss():
     """The whole GRPO token loss (TRL's "dapo" form, beta 0, on-policy: ratio = exp(logp - logp.detach())),
     B 8 x 2048 completion tokens with a completion mask, Llama-3-8B head, T 0.7: eager / Inductor / fxfuse
@@ -203,28 +232,7 @@ def time_grpo_loss():
         impls["liger GRPO loss 0.8.5"] = lambda h, W: lig(h, W, y, mask, adv)[0]
     except Exception as e:  # not installed
         emit(section="grpo", impl="liger GRPO loss", error=f"{type(e).__name__}: {e}"[:200])
-    ref = None
-    for name, fn in impls.items():
-        def step(fn=fn):
-            h.grad = None
-            W.grad = None
-            loss = fn(h, W)
-            loss.backward()
-            return loss
-        try:
-            loss = step()
-            if ref is None:
-                ref = (loss.detach().clone(), h.grad.clone(), W.grad.clone())
-            errs = dict(loss_rel=rel(loss, ref[0]), gh_rel=rel(h.grad, ref[1]), gW_rel=rel(W.grad, ref[2]))
-            ms, mem = bench(step)
-            emit(section="grpo", shape=f"llama3-8b head {B}x{L} dapo loss", impl=name, ms=round(ms, 3),
-                 peak_gib=round(mem, 3), **errs)
-            if PROFILE and name in ("fxfuse (pass)", "inductor"):
-                profile_step("grpo", name, step)
-        except Exception as e:
-            emit(section="grpo", impl=name, error=f"{type(e).__name__}: {e}"[:300])
-            traceback.print_exc()
-        torch.cuda.empty_cache() if DEV == "cuda" else None
+    time_losses("grpo", f"llama3-8b head {B}x{L} dapo loss", impls, h, W, profiled=("fxfuse (pass)", "inductor"))
 
 
 def time_ce_none():
@@ -249,30 +257,8 @@ def time_ce_none():
              "fxfuse (pass)": torch.compile(weighted, backend="fxfuse"),
              "fxfuse (pass, log_probs_loss off)": torch.compile(weighted, backend="fxfuse", options=LOSS_PASS_OFF),
              "fxfuse, reduction mean (other loss)": torch.compile(mean, backend="fxfuse")}
-    ref = None
-    for name, fn in impls.items():
-        def step(fn=fn):
-            h.grad = None
-            W.grad = None
-            loss = fn(h, W)
-            loss.backward()
-            return loss
-        try:
-            loss = step()
-            errs = {}
-            if ref is None:
-                ref = (loss.detach().clone(), h.grad.clone(), W.grad.clone())
-            if "other loss" not in name:
-                errs = dict(loss_rel=rel(loss, ref[0]), gh_rel=rel(h.grad, ref[1]), gW_rel=rel(W.grad, ref[2]))
-            ms, mem = bench(step)
-            emit(section="ce_none", shape=f"llama3-8b head {N} tokens, weighted token mean", impl=name,
-                 ms=round(ms, 3), peak_gib=round(mem, 3), **errs)
-            if PROFILE and name == "fxfuse (pass)":
-                profile_step("ce_none", name, step)
-        except Exception as e:
-            emit(section="ce_none", impl=name, error=f"{type(e).__name__}: {e}"[:300])
-            traceback.print_exc()
-        torch.cuda.empty_cache() if DEV == "cuda" else None
+    time_losses("ce_none", f"llama3-8b head {N} tokens, weighted token mean", impls, h, W,
+                profiled=("fxfuse (pass)",), compare_to_first=lambda name: "other loss" not in name)
 
     def floor():
         h.grad = None
