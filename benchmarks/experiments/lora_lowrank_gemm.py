@@ -2,7 +2,7 @@
 
 fxfuse's LoRA op forms ``y = x @ W.T + V @ (s B).T`` as cuBLAS ``C.addmm_(x, W.T)`` with ``C = V @ (s B).T`` (and the
 backward's ``gx = gy @ W + gV @ A`` the same way): the low-rank product is written to memory once and read back as
-the addmm's C operand. This script times a persistent TMA Triton GEMM that adds ``V @ U.T`` (K = r) to its fp32
+the addmm's C operand. This script times the persistent TMA Triton GEMM (now ``fxfuse/kernels/lowrank_gemm.py``) that adds ``V @ U.T`` (K = r) to its fp32
 accumulator after the main K loop, so nothing [N, d_out] is written twice, against cuBLAS ``mm`` (the floor),
 ``addmm_`` on a precomputed C (what the op does) and the two-call sum. Shapes: q_proj / up_proj at 16384 tokens
 (fwd and gx), Llama-3.2-1B's at 8192 tokens.
@@ -14,63 +14,36 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from fxfuse.kernels import lowrank_gemm as G
+from fxfuse.kernels.triton_support import dot_pad, sm_count
 
 OUT = os.environ.get("OUT", "/tmp")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@triton.jit
-def _mm_lowrank_kernel(a_desc, b_desc, v_desc, u_desc, c_desc, M, N, K,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       B_KN: tl.constexpr, HAS_LR: tl.constexpr, GROUP_M: tl.constexpr,
-                       NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr):
-    """C[M, N] = A[M, K] @ op(B) + V[M, R] @ U[N, R].T; op(B) = B[K, N] if B_KN else B[N, K].T."""
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
-    num_tiles = num_pid_m * num_pid_n
-    in_group = GROUP_M * num_pid_n
-    for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=FLATTEN):
-        group = tile // in_group
-        first_m = group * GROUP_M
-        size_m = min(num_pid_m - first_m, GROUP_M)
-        om = (first_m + tile % size_m) * BM
-        on = ((tile % in_group) // size_m) * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = a_desc.load([om, ki * BK])
-            if B_KN:
-                acc = tl.dot(a, b_desc.load([ki * BK, on]), acc)
-            else:
-                acc = tl.dot(a, b_desc.load([on, ki * BK]).T, acc)
-        if HAS_LR:
-            acc = tl.dot(v_desc.load([om, 0]), u_desc.load([on, 0]).T, acc)
-        c_desc.store([om, on], acc.to(c_desc.dtype))
-
-
 def mm_lowrank(a, b, v, u, b_kn: bool, cfg):
+    """fxfuse's kernel (fxfuse/kernels/lowrank_gemm.py; the sweep's first version of it lived here) at one launch
+    setting; v None: the plain GEMM (a zero rank-16 term)."""
     BM, BN, BK, stages, warps, flatten = cfg
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
+    if v is None:
+        v, u = a.new_zeros(M, 16), a.new_zeros(N, 16)
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    R = v.shape[1] if v is not None else 16
-    nsm = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
-    desc = lambda t, blk: TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
-    a_d = desc(a, [BM, BK])
-    b_d = desc(b, [BK, BN] if b_kn else [BN, BK])
-    v_d = desc(v, [BM, R]) if v is not None else a_d
-    u_d = desc(u, [BN, R]) if u is not None else a_d
-    c_d = desc(c, [BM, BN])
-    grid = (min(nsm, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
-    _mm_lowrank_kernel[grid](a_d, b_d, v_d, u_d, c_d, M, N, K, BM=BM, BN=BN, BK=BK, B_KN=b_kn,
-                             HAS_LR=v is not None, GROUP_M=8, NUM_SMS=nsm, FLATTEN=flatten,
-                             num_stages=stages, num_warps=warps)
+    R = v.shape[1]
+    desc = lambda t, blk: TensorDescriptor(t, list(t.shape), list(t.stride()), blk)  # noqa: E731
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    programs = min(tiles, sm_count(a))
+    G._lowrank_gemm_kernel[(programs,)](
+        desc(a, [BM, BK]), desc(b, [BK, BN] if b_kn else [BN, BK]), desc(v, [BM, dot_pad(R)]),
+        desc(u, [BN, dot_pad(R)]), desc(c, [BM, BN]), a, M, N, K, BM=BM, BN=BN, BK=BK, RP=dot_pad(R), B_KN=b_kn,
+        U_KN=False, HAS_BIAS=False, GROUP_M=8, NUM_PROGRAMS=programs, FLATTEN=flatten, num_stages=stages,
+        num_warps=warps)
     return c
 
 
