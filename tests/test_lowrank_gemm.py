@@ -113,3 +113,60 @@ def test_interpreter_declines_16_bit_operands():
     a, b, v, u, _ = _operands(16, 24, 32, 4, False, False, False)
     assert G.lowrank_gemm_supported(a, b, v, u)
     assert not G.lowrank_gemm_supported(*(t.bfloat16() for t in (a, b, v, u)))
+
+
+def test_peft_model_compiled_new_length_every_batch(monkeypatch):
+    """As users call it: a tiny PEFT Llama (LoRA on all seven projections, dropout 0) under
+    ``torch.compile(model, backend="fxfuse")`` without ``dynamic=``, labels a tensor of their own, a new length every
+    batch, with the Triton path forced (as on a Hopper GPU) so the low-rank GEMM computes every projection's output
+    and grad x: loss and every adapter gradient within 2x of eager fp32's distance from float64, and as many graphs
+    as the model compiled without fxfuse."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from conftest import grads_of, tiny_causal_lm
+
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    calls = []
+    real = K.lowrank_gemm
+    monkeypatch.setattr(K, "lowrank_gemm", lambda *a, **kw: calls.append(kw.get("b_kn", False)) or real(*a, **kw))
+    model = peft.get_peft_model(tiny_causal_lm("llama"), peft.LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # PEFT zero-initialises B: give the adapters something to do
+            torch.nn.init.normal_(p, std=0.1)
+    model64 = copy.deepcopy(model).double()
+
+    def step(m, fn, ids):
+        out = fn(input_ids=ids, labels=ids.clone(), use_cache=False)
+        out.loss.backward()
+        g = grads_of(m)
+        m.zero_grad(set_to_none=True)
+        return out.loss.detach().double(), g
+
+    lengths = (12, 17, 9)
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="fxfuse")
+    for L in lengths:
+        ids = torch.randint(0, 128, (2, L), generator=torch.Generator().manual_seed(L))
+        ref_loss, ref = step(model64, model64, ids)
+        eager_loss, eager = step(model, model, ids)
+        calls.clear()
+        loss, got = step(model, compiled, ids)
+        # every projection's output (7 x 2 layers); grad x once per op (q/k/v and gate/up grouped: 4 a layer), less
+        # the first layer's q/k/v, whose input (the frozen embedding) needs none
+        assert (calls.count(False), calls.count(True)) == (14, 7), calls
+        rel = lambda a, r: ((a.double() - r).norm() / r.norm()).item()  # noqa: E731
+        assert rel(loss, ref_loss) <= 2 * rel(eager_loss, ref_loss) + 1e-6
+        assert set(got) == set(ref) and len(ref) == 2 * 7 * 2
+        for n in ref:
+            assert rel(got[n], ref[n]) <= 2 * rel(eager[n], ref[n]) + 1e-6, (L, n, rel(got[n], ref[n]))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    plain = torch.compile(model, backend="aot_eager")  # graphs are Dynamo's: the backend behind it does not count
+    for L in lengths:
+        step(model, plain, torch.randint(0, 128, (2, L)))
+    assert graphs == torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -2,7 +2,6 @@
 shapes the e2e step uses (single projections and q/k/v, gate/up groups), with a LoRA term as large as the base
 term, repeated to catch a nondeterministic tile; and with the persistent loop not flattened."""
 import json
-import sys
 
 import torch
 
