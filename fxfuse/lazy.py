@@ -78,6 +78,19 @@ class LazyLogits(torch.Tensor):
         forward produced."""
         if self._fx_value is None:
             h, w, b, recipe, wt = self._fx_args
+            freed = [n for n, t in zip(("hidden states", "lm-head weight", "lm-head bias"), (h, w, b))
+                     if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().nbytes() == 0]
+            if freed:  # FSDP2 frees a unit's gathered parameters when it reshards (after its forward or backward)
+                from .errors import FxFuseError
+
+                raise FxFuseError(
+                    "fxfuse: these logits were returned lazily by a model compiled with fxfuse (the fused lm-head "
+                    f"loss never computed them) and are computed when first read, but the memory of the "
+                    f"{' and '.join(freed)} was freed since that forward (FSDP2 frees an lm-head's gathered weight "
+                    "when it reshards it after the backward, or after the forward), so they can no longer be "
+                    "computed. Read them before the backward (e.g. `logits = out.logits.float()` right after the "
+                    "forward), or compile with options={'pass_options': {'linear_cross_entropy': {'logits': "
+                    "'materialize'}}} to always return real logits.")
             if _versions(h, w, b) != self._fx_versions:
                 from .errors import FxFuseError
 

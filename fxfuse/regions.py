@@ -22,12 +22,23 @@ repeated block (decoder layer) on its own, with the module hooks left eager, and
   root's hooks stay eager too); the module running the blocks is a graph break in it, so its last graph holds the
   lm-head + loss, fused by the ``linear_cross_entropy`` pass (with lazy logits).
 
+**An lm-head that is an FSDP2 unit of its own** (accelerate's ``fully_shard([final_norm, lm_head])``, or a lone
+``fully_shard(lm_head)``) carries FSDP2's forward hooks, which Dynamo does not trace: they would split the loss graph at
+the lm-head's call and hand the loss the materialised logits. The compiled root therefore runs with the lm-head's
+FSDP2 hooks held aside (only when every forward hook on it is FSDP2's: any other hook could change what the loss
+sees), so the loss graph traces a plain linear and fuses it; the hooks then run eagerly around it, where FSDP2 would
+run them: the head's parameters are gathered (``FSDPModule.unshard``, a no-op when an earlier module of its unit
+gathered them) once the module running the blocks has returned, and after the compiled code the hooks are called on
+the head as if its forward had returned the loss (FSDP2 registers its pre-backward hook there and reshards the unit if
+it reshards after forward).
+
 The model is modified in place and returned. ``kwargs`` are :func:`fxfuse.compile`'s (options are checked now).
 Calling it twice on the same model is an error; :func:`undo_compile_regions` restores the model.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -81,11 +92,108 @@ def compile_regions(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     for b, f in zip(blocks, compiled_blocks):
         b.forward = f  # an instance attribute: the block's __call__ (its hooks) stays eager
     if compiled_root is not None:
-        model.forward = compiled_root
+        head = _FsdpHead(_output_head(model))
+        model.forward = head.around_root(compiled_root)
         # eager, with what it calls; the blocks' compiled forwards compile when called (their own frames)
-        owner._call_impl = torch.compiler.disable(owner._call_impl, recursive=True)
+        owner._call_impl = torch.compiler.disable(head.after_blocks(owner._call_impl), recursive=True)
     model._fxfuse_regions = (owner if compiled_root is not None else None, originals)
     return model
+
+
+def _output_head(model: nn.Module) -> Optional[nn.Module]:
+    """HF's ``get_output_embeddings()`` (the lm-head module), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return head if isinstance(head, nn.Module) else None
+
+
+#: the module attributes that hold forward hooks (``Module._call_impl`` reads them)
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _is_fsdp2_hook(hook: Callable) -> bool:
+    """FSDP2 registers its state's ``_pre_forward`` / ``_post_forward`` (wrapped with ``functools.wraps``, which keeps
+    ``__module__``) on every module it shards."""
+    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed.fsdp")
+
+
+class _FsdpHead:
+    """Runs the root's compiled code with an FSDP2-sharded lm-head's hooks held aside (see the module docstring)."""
+
+    def __init__(self, head: Optional[nn.Module]):
+        self.head = head
+        self.inside_root = False  # the compiled root is running with the head's hooks held
+
+    def hooked(self) -> bool:
+        """Whether the head has forward hooks, all of them FSDP2's."""
+        if self.head is None:
+            return False
+        hooks = list(self.head._forward_pre_hooks.values()) + list(self.head._forward_hooks.values())
+        return bool(hooks) and all(_is_fsdp2_hook(h) for h in hooks)
+
+    @contextlib.contextmanager
+    def _hooks_held(self):
+        # The dicts are emptied and refilled in place: Dynamo guards on what they hold (empty, every call), and FSDP2
+        # keeps handles to them.
+        held = {name: dict(getattr(self.head, name)) for name in _FORWARD_HOOK_DICTS}
+        for name in _FORWARD_HOOK_DICTS:
+            getattr(self.head, name).clear()
+        try:
+            yield
+        finally:
+            for name, saved in held.items():
+                d = getattr(self.head, name)
+                added = dict(d)  # registered while held: kept, after FSDP2's
+                d.clear()
+                d.update(saved)
+                d.update(added)
+
+    def _run_hooks(self, output: Any) -> None:
+        """The head's hooks, run by ``Module.__call__`` itself around a forward that returns ``output``."""
+        head, forward = self.head, self.head.__dict__.get("forward")
+        head.forward = lambda *args, **kwargs: output
+        try:
+            head()
+        finally:
+            del head.forward
+            if forward is not None:
+                head.forward = forward
+
+    def around_root(self, compiled_root: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not self.hooked():
+                return compiled_root(*args, **kwargs)
+            with self._hooks_held():
+                self.inside_root = True
+                try:
+                    out = compiled_root(*args, **kwargs)
+                finally:
+                    self.inside_root = False
+            self._run_hooks(_backward_entry(out))
+            return out
+
+        return forward
+
+    def after_blocks(self, call_impl: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = call_impl(*args, **kwargs)
+            if self.inside_root:  # FSDP2's pre-forward of the head would gather its unit here
+                self.head.unshard()
+            return out
+
+        return call
+
+
+def _backward_entry(out: Any) -> Any:
+    """What the head's FSDP2 post-forward hook is shown as the head's output: the loss when the root computed one (with
+    the loss fused, the backward reaches the head's weight through it, never through logits), else the whole output
+    (the logits)."""
+    loss = getattr(out, "loss", None) if not isinstance(out, tuple) else None
+    return loss if isinstance(loss, torch.Tensor) else out
 
 
 def undo_compile_regions(model: nn.Module) -> nn.Module:

@@ -110,8 +110,13 @@ def _train(rank, world, case):
         mesh = init_device_mesh("cpu", (world,))
         for layer in m.get_decoder().layers if hasattr(m, "get_decoder") else m.model.layers:
             fully_shard(layer, mesh=mesh)
+        if case == "fsdp2_regions_tail":  # accelerate's units: the embeddings, then [final norm, lm-head] unsharded
+            fully_shard(m.model.embed_tokens, mesh=mesh)  # after forward (its pre-hook gathers both at the norm)
+            fully_shard([m.model.norm, m.lm_head], mesh=mesh, reshard_after_forward=False)
+        elif case == "fsdp2_regions_head":  # the lm-head a unit of its own, resharded after its forward
+            fully_shard(m.lm_head, mesh=mesh)
         fully_shard(m, mesh=mesh)
-        if case == "fsdp2_regions":
+        if case.startswith("fsdp2_regions"):
             fwd = compile_regions(m, compiler="aot_eager")
         else:
             fwd = torch.compile(m, backend="fxfuse", options=AOT)
@@ -231,6 +236,10 @@ def _kill_tree(pid):
     # regions: the base model runs eagerly and builds no mask for these unpadded rows, so the blocks run SDPA's
     # own causal kernels (no fxfuse attention op); the head's loss is fused
     ("fsdp2_regions", {"fxfuse::linear_cross_entropy_fwd"}),
+    # the lm-head in an FSDP2 unit of its own (accelerate's [norm, lm_head]; a lone lm-head): its hooks run eagerly
+    # around the compiled loss, which stays fused
+    ("fsdp2_regions_tail", {"fxfuse::linear_cross_entropy_fwd"}),
+    ("fsdp2_regions_head", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2_lora", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::lora_linear"}),
 ])
 def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
@@ -280,6 +289,63 @@ def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head
     undo_compile_regions(m)
     assert "forward" not in m.model.layers[0].__dict__ and "_call_impl" not in m.model.__dict__
     assert not hasattr(m, "_fxfuse_regions") and "forward" not in m.__dict__
+
+
+def _fsdp2_like(fn):
+    """``fn`` as FSDP2's hooks present themselves (their ``__module__``): compile_regions holds such hooks aside."""
+    fn.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    return fn
+
+
+def test_compile_regions_runs_an_fsdp2_lm_heads_hooks_eagerly_around_the_fused_loss():
+    """An lm-head with FSDP2's forward hooks (stand-ins here, with FSDP2's ``__module__``; the two-rank cases above
+    run the real ones): the loss graph still fuses the head, the hooks do not run inside the compiled code, the head
+    is gathered (``unshard``) after the blocks and before the loss, then its pre- and post-hook run once each, after
+    the compiled code, with the loss as the head's output. With any other hook on the head nothing is held: the hook
+    sees the real logits (the head's loss is not fused) and the result equals eager with the same hook."""
+    import fxfuse
+    from fxfuse.regions import compile_regions
+
+    ref = tiny_causal_lm("llama", attn_implementation="sdpa")
+    m = tiny_causal_lm("llama", attn_implementation="sdpa")
+    events = []
+    m.lm_head.unshard = lambda: events.append("unshard")
+    m.model.norm.register_forward_hook(lambda mod, a, out: events.append("blocks done"))
+    m.lm_head.register_forward_pre_hook(_fsdp2_like(lambda mod, a, k: events.append(("pre", a, k))),
+                                        with_kwargs=True)
+    m.lm_head.register_forward_hook(_fsdp2_like(lambda mod, a, out: events.append(("post", out))))
+    compile_regions(m, compiler="aot_eager")
+    for n in (9, 12):
+        ids = torch.randint(0, 128, (2, n))
+        events.clear()
+        out = m(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        want = ref(input_ids=ids, labels=ids, use_cache=False)
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m.lm_head.weight.grad, ref.lm_head.weight.grad, rtol=2e-4, atol=2e-6)
+        assert events[:3] == ["blocks done", "unshard", ("pre", (), {})], events
+        assert len(events) == 4 and events[3][0] == "post" and events[3][1] is out.loss, events
+        assert not out.logits.materialized  # lazy: the head's loss was fused
+    assert sum(s.pass_name == "linear_cross_entropy" for r in fxfuse.reports() for s in r.fused) >= 1
+
+    # another hook on the head as well: nothing is held, the hook changes the logits the loss sees, as in eager.
+    # (Registered before compiling, in a fresh Dynamo: by default Dynamo does not guard on modules' hooks,
+    # skip_nnmodule_hook_guards, so code compiled for the first model would serve this one.)
+    torch._dynamo.reset()
+    ref = tiny_causal_lm("llama", attn_implementation="sdpa")
+    m = tiny_causal_lm("llama", attn_implementation="sdpa")
+    m.lm_head.unshard = lambda: events.append("unshard")
+    m.lm_head.register_forward_hook(_fsdp2_like(lambda mod, a, out: events.append(("post", out))))
+    for model in (m, ref):
+        model.lm_head.register_forward_hook(lambda mod, a, out: out * 0.5)
+    compile_regions(m, compiler="aot_eager")
+    ids = torch.randint(0, 128, (2, 10))
+    events.clear()
+    got = m(input_ids=ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(got.loss, ref(input_ids=ids, labels=ids, use_cache=False).loss, rtol=1e-5, atol=1e-6)
+    assert "unshard" not in events and [e[0] for e in events] == ["post"], events
+    assert events[0][1] is not got.loss  # the hook saw the head's own output
 
 
 def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(tmp_path):

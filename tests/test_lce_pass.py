@@ -245,6 +245,19 @@ def test_a_backward_hook_on_lazy_logits_computes_nothing_until_they_are_read():
     assert seen == [(2, 10, model.config.vocab_size)]
 
 
+def test_lazy_logits_whose_weight_was_freed_raise_instead_of_reading_freed_memory():
+    """FSDP2 frees a unit's gathered weight (its storage resized to 0) when it reshards: logits read later cannot be
+    computed, and say so rather than reading freed memory. Before that they compute as usual."""
+    from fxfuse.errors import FxFuseError
+
+    h, w = torch.randn(3, 8), torch.randn(16, 8)
+    lazy = LazyLogits(h, w, None, [], False, torch.float32)
+    torch.testing.assert_close(LazyLogits(h, w, None, [], False, torch.float32).materialize(), h @ w.T)
+    w.untyped_storage().resize_(0)
+    with pytest.raises(FxFuseError, match="lm-head weight was freed"):
+        lazy.materialize()
+
+
 @pytest.mark.slow
 def test_materialize_option_returns_real_logits():
     model = tiny_causal_lm("llama")
