@@ -1,6 +1,7 @@
 """FSDP2 training step, whole-model vs regional compilation, fxfuse beside Inductor (the shape and method of the
 anchor probe ``fsdp2_probe.py``: Llama-3.2-1B shape full fine-tune, fp32 master weights with bf16 params / fp32
-reduce, ``fully_shard`` per layer and root, 2x2048 tokens per GPU, AdamW).
+reduce, ``fully_shard`` per layer and root, 2x2048 tokens per GPU, AdamW). ``FSDP_TAIL=1`` adds accelerate's units:
+the embeddings, and [final norm, lm-head] kept gathered after the forward (the lm-head then carries FSDP2's hooks).
 
 Impl (argv[1]):
   inductor           torch.compile(model)                                   whole model, Inductor
@@ -134,6 +135,11 @@ def main(impl):
     kw = dict(mp_policy=mp) if mp else {}
     for layer in layers:
         fully_shard(layer, **kw)
+    tail = os.environ.get("FSDP_TAIL") == "1"
+    if tail:  # accelerate's units: the embeddings, and [final norm, lm-head] kept gathered after the forward
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        fully_shard(base.get_input_embeddings(), **kw)
+        fully_shard([base.model.norm, base.get_output_embeddings()], reshard_after_forward=False, **kw)
     fully_shard(model, **kw)
     fwd = model
     if impl == "inductor":
@@ -192,7 +198,7 @@ def main(impl):
                step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
-               rows=B, padded=mask is not None, first_step=breakdown)
+               rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown)
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
 
