@@ -38,6 +38,8 @@ Calling it twice on the same model is an error; :func:`undo_compile_regions` res
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -85,7 +87,7 @@ def compile_regions(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
                           "or more modules of one class with parameters); compile it whole with fxfuse.compile")
     blocks = list(block_list)
     originals = [(m, m.__dict__.get("forward")) for m in [model] + blocks]  # instance attributes set before us
-    compiled_root = None
+    compiled_root, head = None, None
     if owner is not model:
         compiled_root = fx_compile(model.forward, **compile_kwargs)  # options are checked here, before any change
     compiled_blocks = [fx_compile(b.forward, **compile_kwargs) for b in blocks]
@@ -95,8 +97,9 @@ def compile_regions(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         head = _FsdpHead(_output_head(model))
         model.forward = head.around_root(compiled_root)
         # eager, with what it calls; the blocks' compiled forwards compile when called (their own frames)
-        owner._call_impl = torch.compiler.disable(head.after_blocks(owner._call_impl), recursive=True)
-    model._fxfuse_regions = (owner if compiled_root is not None else None, originals)
+        owner._call_impl = torch.compiler.disable(owner._call_impl, recursive=True)
+        head.gather_after = owner.register_forward_hook(head.after_blocks)  # runs inside that eager call
+    model._fxfuse_regions = (owner if compiled_root is not None else None, originals, head)
     return model
 
 
@@ -125,8 +128,15 @@ class _FsdpHead:
     """Runs the root's compiled code with an FSDP2-sharded lm-head's hooks held aside (see the module docstring)."""
 
     def __init__(self, head: Optional[nn.Module]):
-        self.head = head
+        # weakly: the model holds this (its forward), and nothing here may keep a sharded model (its process group)
+        # alive past the model
+        self._head = weakref.ref(head) if head is not None else None
         self.inside_root = False  # the compiled root is running with the head's hooks held
+        self.gather_after = None  # the handle of the forward hook on the module that runs the blocks
+
+    @property
+    def head(self) -> Optional[nn.Module]:
+        return self._head() if self._head is not None else None
 
     def hooked(self) -> bool:
         """Whether the head has forward hooks, all of them FSDP2's."""
@@ -164,6 +174,7 @@ class _FsdpHead:
                 head.forward = forward
 
     def around_root(self, compiled_root: Callable) -> Callable:
+        @functools.wraps(compiled_root)  # the forward's signature: HF's Trainer keeps only the columns it names
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not self.hooked():
                 return compiled_root(*args, **kwargs)
@@ -178,14 +189,11 @@ class _FsdpHead:
 
         return forward
 
-    def after_blocks(self, call_impl: Callable) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            out = call_impl(*args, **kwargs)
-            if self.inside_root:  # FSDP2's pre-forward of the head would gather its unit here
-                self.head.unshard()
-            return out
-
-        return call
+    def after_blocks(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A forward hook on the module that runs the blocks: FSDP2's pre-forward of the head would gather its
+        unit about now."""
+        if self.inside_root:
+            self.head.unshard()
 
 
 def _backward_entry(out: Any) -> Any:
@@ -201,9 +209,11 @@ def undo_compile_regions(model: nn.Module) -> nn.Module:
     state = getattr(model, "_fxfuse_regions", None)
     if state is None:
         raise FxFuseError("undo_compile_regions: this model was not compiled by regions")
-    owner, originals = state
+    owner, originals, head = state
     if owner is not None:
         owner.__dict__.pop("_call_impl", None)
+    if head is not None and head.gather_after is not None:
+        head.gather_after.remove()
     for m, forward in originals:
         m.__dict__.pop("forward", None)
         if forward is not None:
