@@ -39,7 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 _PHASES = ("_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
            "create_aot_dispatcher_function", "compile_fx.<locals>.fw_compiler_base", "compile_fx_inner",
            "GraphLowering.codegen", "PyCodeCache.load_by_key_path", "async_compile.wait", "compile_file",
-           "_recursive_joint_graph_passes", "build_guards")
+           "_recursive_joint_graph_passes", "build_guards",
+           # the backward graphs compile at the first backward (AOTAutograd's lazy backward)
+           "backward._backward_impl", "compile_fx.<locals>.bw_compiler")
 
 
 class _TritonJitTimer:

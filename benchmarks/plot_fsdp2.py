@@ -25,12 +25,14 @@ def main():
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
     rows = [json.loads(x) for x in open(a.rows)]
-    rows = [r for r in rows if r.get("call") == a.call and not r.get("padded") and r.get("rows", 2) == 2
-            and not r.get("passes_off")]
+    rows = [r for r in rows if r.get("call") == a.call and "lora" in r and not r.get("padded")  # not the anchor's
+            and r.get("rows", 2) == 2 and not r.get("passes_off")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, lora in zip(axes, (False, True)):
-        sel = sorted((r for r in rows if r["lora"] == lora), key=lambda r: ORDER.index(r["impl"]))
-        names = [r["impl"] for r in sel]
+        sel = sorted((r for r in rows if r["lora"] == lora),
+                     key=lambda r: (ORDER.index(r["impl"]), bool(r.get("tail_unit"))))
+        # FSDP_TAIL=1 rows: accelerate's units (embeddings; [final norm, lm-head])
+        names = [r["impl"] + (", accelerate units" if r.get("tail_unit") else "") for r in sel]
         tps = [r["tokens_per_s_per_gpu"] / 1e3 for r in sel]
         peak = [r["peak_gib"] for r in sel]
         colors = ["tab:green" if n.startswith("fxfuse") else "tab:gray" for n in names]
