@@ -136,7 +136,25 @@ def _make_pass_class():
                     return None
             return ("fxfuse-pre-grad", *key, prev)
 
+        def __reduce__(self):
+            return _pickled_as_key, (_cache_key(self),)
+
     return FxFusePreGradPass
+
+
+def _cache_key(graph_pass: Any) -> Any:
+    """What a pass of this module pickles as: its ``uuid()`` (a fresh object when it has none, so that no two
+    compiles share a cache entry)."""
+    key = graph_pass.uuid()
+    return key if key is not None else ("uncacheable", object().__repr__())
+
+
+def _pickled_as_key(key: Any) -> Any:
+    # Inductors that key their graph cache by pickling their whole config (torch 2.11 does, for the pre-grad pass;
+    # 2.13 asks the pass's uuid()) pickle the installed passes: a class made inside a function cannot be pickled
+    # ("Can't pickle local object", and the graph skips the cache), so they pickle as their key. Unpickled (nothing
+    # does: the pickle is only hashed) they are that key, not a pass.
+    return key
 
 
 def _make_fold_class():
@@ -164,6 +182,9 @@ def _make_fold_class():
                 if prev is None:
                     return None
             return ("fxfuse-post-grad-fold", source_hash(), prev)
+
+        def __reduce__(self):
+            return _pickled_as_key, (_cache_key(self),)
 
     return FxFusePostGradFold
 

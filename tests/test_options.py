@@ -232,8 +232,14 @@ def test_install_composes_with_a_users_pre_grad_pass(clean_hook):
 
         key = inst.hook.uuid()
         assert key[:3] == ("fxfuse-pre-grad", "fxfuse", source_hash())
+        # pickled as its key (an Inductor that hashes its pickled config for the graph cache, as torch 2.11 does,
+        # could not pickle a class made in a function: every such graph skipped the cache)
+        import pickle
+
+        assert pickle.loads(pickle.dumps(inst.hook)) == key
         fxfuse.install(passes=["lora_linear"])  # other options: another key, so no cache hit across them
-        assert inst.hook.uuid() != key
+        assert inst.hook.uuid() != key and pickle.loads(pickle.dumps(inst.hook)) == inst.hook.uuid()
+        assert pickle.dumps(clean_hook.post_grad_custom_post_pass)  # the post-grad fold install() adds
         fxfuse.install(passes=[], strict=True)  # again: new options, same place
         assert clean_hook.pre_grad_custom_pass == [mine, inst.hook] and inst.hook.opts.strict
         torch.compile(lambda x: torch.sin(x) * 2)(torch.randn(8))
