@@ -147,8 +147,9 @@ class _FsdpHead:
 
     @contextlib.contextmanager
     def _hooks_held(self):
-        # The dicts are emptied and refilled in place: Dynamo guards on what they hold (empty, every call), and FSDP2
-        # keeps handles to them.
+        # Held at every call, not only the compiling one: Dynamo does not guard on modules' hooks by default
+        # (skip_nnmodule_hook_guards), so the compiled code assumes the hook-free head it traced. Emptied and refilled
+        # in place: FSDP2's hook handles point at these dicts.
         held = {name: dict(getattr(self.head, name)) for name in _FORWARD_HOOK_DICTS}
         for name in _FORWARD_HOOK_DICTS:
             getattr(self.head, name).clear()
