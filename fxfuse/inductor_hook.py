@@ -150,10 +150,10 @@ def _cache_key(graph_pass: Any) -> Any:
 
 
 def _pickled_as_key(key: Any) -> Any:
-    # Inductors that key their graph cache by pickling their whole config (torch 2.11 does, for the pre-grad pass;
-    # 2.13 asks the pass's uuid()) pickle the installed passes: a class made inside a function cannot be pickled
-    # ("Can't pickle local object", and the graph skips the cache), so they pickle as their key. Unpickled (nothing
-    # does: the pickle is only hashed) they are that key, not a pass.
+    # Inductors that pickle their config to key the graph cache pickle the installed passes too (torch 2.11 logged
+    # "Can't pickle local object '_make_pass_class.<locals>.FxFusePreGradPass'" from its cache on the GPU; 2.13 asks
+    # the pass's uuid() instead). A class made inside a function cannot be pickled, so these pickle as their key,
+    # which is what a cache key needs; unpickled they are that key, not a pass.
     return key
 
 

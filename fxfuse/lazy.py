@@ -87,10 +87,10 @@ class LazyLogits(torch.Tensor):
                     "fxfuse: these logits were returned lazily by a model compiled with fxfuse (the fused lm-head "
                     f"loss never computed them) and are computed when first read, but the memory of the "
                     f"{' and '.join(freed)} was freed since that forward (FSDP2 frees an lm-head's gathered weight "
-                    "when it reshards it after the backward, or after the forward), so they can no longer be "
-                    "computed. Read them before the backward (e.g. `logits = out.logits.float()` right after the "
-                    "forward), or compile with options={'pass_options': {'linear_cross_entropy': {'logits': "
-                    "'materialize'}}} to always return real logits.")
+                    "when it reshards it: after the backward, or right after the forward for a unit that reshards "
+                    "after forward), so they can no longer be computed. Read them before that (e.g. `logits = "
+                    "out.logits.float()` right after the forward), or compile with options={'pass_options': "
+                    "{'linear_cross_entropy': {'logits': 'materialize'}}} to always return real logits.")
             if _versions(h, w, b) != self._fx_versions:
                 from .errors import FxFuseError
 
