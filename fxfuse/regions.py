@@ -15,7 +15,7 @@ repeated block (decoder layer) on its own, with the module hooks left eager, and
 * **The module that runs the blocks** (HF's base ``LlamaModel``: embeddings, rotary tables, the attention mask, the
   loop, the final norm) runs eagerly around the compiled blocks. Eagerly, HF builds no mask at all for a causal
   batch without padding (the blocks run SDPA's causal kernels: compiled, that mask would be a ``[B, 1, S, S]``
-  tensor made in one graph and read in another, which SDPA reads over every tile: 2.3x slower attention measured
+  tensor made in one graph and read in another, which SDPA reads over every tile: 3x the attention time measured
   on the H200 at Llama-3-8B widths and 4096 tokens); with padding or packed documents it builds the mask tensor
   and the blocks' ``sdpa_attention`` runs fxfuse's kernel on it, empty tiles skipped.
 * **The root's own code** after that (the lm-head and the loss) is compiled with ``forward`` (not ``__call__``: the
