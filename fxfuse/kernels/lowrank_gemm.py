@@ -21,13 +21,13 @@ setting from a sweep on an H100 (``benchmarks/experiments/lora_lowrank_gemm.py``
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
 import torch
 
-from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tile_addressable, tile_descriptor, tl, triton
+from .triton_support import (HAVE_TRITON, dot_pad, interpreting, sm_count, smem_limit, tile_addressable,
+                             tile_descriptor, tl, triton)
 
 __all__ = ["lowrank_gemm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
@@ -79,19 +79,13 @@ if HAVE_TRITON:
             c_desc.store([om, on], acc.to(c_desc.dtype))
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_limit(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-
-
 def _config(t: torch.Tensor, rank: int) -> Optional[dict]:
     """The launch setting for ``t``'s device and this rank, or None if its tiles do not fit shared memory. The
     software pipeline keeps ``num_stages`` A and B tiles; the low-rank tiles and the output tile come on top (at
     rank 32 three stages need 232 KiB, past an H100's 227 KiB), so wider ranks take fewer stages."""
     if interpreting() or not t.is_cuda:
         return INTERPRETER_CONFIG
-    limit = _smem_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    return config_for(t.element_size(), rank, limit)
+    return config_for(t.element_size(), rank, smem_limit(t))
 
 
 def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:

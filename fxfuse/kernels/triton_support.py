@@ -29,20 +29,27 @@ except Exception:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp",
-           "tile_descriptor", "tile_addressable", "sm_count", "dot_pad"]
+           "tile_descriptor", "tile_addressable", "sm_count", "smem_limit", "dot_pad"]
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _device_properties(device_index: int):
+    return torch.cuda.get_device_properties(device_index)
+
+
+def _properties_of(t):
+    return _device_properties(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def sm_count(t) -> int:
     """Multiprocessors of CUDA tensor ``t``'s device (persistent grids size themselves by it); 4 elsewhere (the
     interpreter runs programs one after another)."""
-    if not t.is_cuda:
-        return 4
-    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _properties_of(t).multi_processor_count if t.is_cuda else 4
+
+
+def smem_limit(t) -> int:
+    """Bytes of shared memory one program may use on CUDA tensor ``t``'s device (opt-in maximum)."""
+    return _properties_of(t).shared_memory_per_block_optin
 
 
 def dot_pad(n: int) -> int:
