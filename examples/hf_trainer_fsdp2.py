@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--regions", action="store_true", help="fxfuse.compile_regions instead of torch_compile")
     ap.add_argument("--inductor", action="store_true", help="torch_compile with Inductor alone (no fxfuse)")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the last two steps (GPU): where their time goes, in the RESULT line")
     a = ap.parse_args()
     trainer_compiles = not (a.no_compile or a.regions)
     if trainer_compiles and not a.inductor:
@@ -66,13 +68,25 @@ def main():
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
         fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls],
                                 "reshard_after_forward": True})
-    times = []
+    times, profiled = [], {}
+    profile_from = a.steps - 2 if a.profile and torch.cuda.is_available() and a.steps >= 6 else None
 
     class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == profile_from:  # the last two steps, left out of the timed ones
+                from torch.profiler import ProfilerActivity, profile
+
+                torch.cuda.synchronize()
+                profiled["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                profiled["prof"].__enter__()
+
         def on_step_end(self, args, state, control, **kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            times.append(time.perf_counter())
+            if profile_from is None or state.global_step <= profile_from:
+                times.append(time.perf_counter())
+            elif state.global_step == a.steps:
+                profiled["prof"].__exit__(None, None, None)
 
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[StepTimes()])
     trainer.train()
@@ -91,7 +105,8 @@ def main():
             "tokens_per_s_per_gpu": round(2 * seq / sorted(steps)[len(steps) // 2]) if steps else None,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "mode": "eager" if a.no_compile else "regions" if a.regions else "inductor" if a.inductor else "install",
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}), flush=True)
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            **({"profile": _profile_summary(profiled["prof"])} if "prof" in profiled else {})}), flush=True)
     # Leave in order: every rank done, the trainer (and the FSDP2 model holding the process group) dropped, then
     # the group destroyed here rather than at interpreter exit, where gloo's teardown can hang.
     import torch.distributed as dist
@@ -100,6 +115,24 @@ def main():
         dist.barrier()
         del trainer, model
         dist.destroy_process_group()
+
+
+def _profile_summary(prof):
+    """GPU time by kernel kind (benchmarks/trace_summary.py) and the host's top ops by self CPU time, per step."""
+    import sys
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from benchmarks.trace_summary import summarize
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        with open(tmp.name) as f:
+            out = summarize(json.load(f), steps=2)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
+    out["host_top"] = [{"name": e.key[:90], "self_cpu_ms": round(e.self_cpu_time_total / 2e3, 2),
+                        "calls": e.count // 2} for e in ops]
+    return out
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def _worker(rank, world, port, case, result_path):
         raise  # a non-zero exit: the test fails with this traceback
     _teardown()
     # every gloo group is destroyed, its worker threads joined: nothing is left for the interpreter's finalization
-    assert _gloo_worker_threads() == 0, _gloo_worker_threads()
+    assert _gloo_worker_threads() == 0, (_gloo_worker_threads(), _mesh_holders())
     if rank == 0:
         with open(result_path, "w") as f:
             json.dump(result, f)
@@ -151,6 +151,41 @@ def _gloo_worker_threads():
         except OSError:  # the thread ended meanwhile
             pass
     return names.count("pt_gloo_runloop")
+
+
+def _mesh_holders(depth=5, limit=12):
+    """What keeps a DeviceMesh (and so its process group) alive: referrer chains from each live mesh, for the
+    teardown check's message (a torch that adds a cache holding the mesh shows up here by name)."""
+    import gc
+    import types
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def name(o):
+        if isinstance(o, (types.FunctionType, types.MethodType)):
+            return f"{type(o).__name__} {getattr(o, '__qualname__', '?')}"
+        if isinstance(o, types.ModuleType):
+            return f"module {o.__name__}"
+        if isinstance(o, dict):
+            return f"dict of {o['__name__']}" if "__name__" in o else f"dict({', '.join(map(str, list(o)[:4]))})"
+        return type(o).__qualname__
+
+    gc.collect()
+    meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]
+    ended, seen = [], {id(meshes)}
+    frontier = [(m, [name(m)]) for m in meshes]
+    for _ in range(depth):
+        nxt = []
+        for obj, chain in frontier:
+            refs = [r for r in gc.get_referrers(obj) if id(r) not in seen and not isinstance(r, types.FrameType)
+                    and r is not frontier and r is not nxt]
+            seen.update(id(r) for r in refs)
+            nxt += [(r, chain + [name(r)]) for r in refs]
+            if not refs:  # held from outside the collector's view (a C++ object or a module global)
+                ended.append(chain)
+        frontier = nxt[:50]
+    chains = ended + [c for _, c in frontier]
+    return {"meshes": len(meshes), "chains": [" <- ".join(c) for c in chains[:limit]]}
 
 
 def _teardown():
