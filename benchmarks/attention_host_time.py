@@ -7,7 +7,9 @@ last launch (no sync inside; at 128 tokens the GPU work is a few microseconds pe
 fills and this is the CPU's time per call); ``wall_us`` = the same loop with a sync at the end (what a step
 pays: the larger of host and GPU time); ``gpu_us`` = CUDA-event time of the loop (the GPU's view: it equals
 wall_us when the GPU is the bottleneck, host_us when the launches are). One layer at Llama-3-8B heads (32 q / 8 kv,
-head dim 128), bf16, batch 1; docs8 = 8 equal packed documents; causal = fxfuse's own kernel (kernel='fxfuse').
+head dim 128), bf16, batch 1; docs8 = 8 equal packed documents; causal = fxfuse's own kernel (kernel='fxfuse');
+mask = a [1, 1, S, S] causal bool mask tensor (fxfuse on its tile classes, cuDNN given attn_mask; --head-dim 64
+for Llama-3.2-1B's heads).
 Then a cProfile of fxfuse's forward + backward at 128 tokens (top functions by own time).
 
     python benchmarks/attention_host_time.py [--lengths 128,4096] [--out attention-host-time-h200.json]
@@ -47,10 +49,12 @@ def doc_ids(S, dev, n=8):
 def build(impl, layout, S, q):
     dev = q.device
     D = q.shape[-1]
+    # "mask": HF's [1, 1, S, S] causal bool mask as a tensor (what a layer graph gets from the graph that built it)
+    mask = torch.ones(S, S, dtype=torch.bool, device=dev).tril()[None, None] if layout == "mask" else None
     if impl == "fxfuse":
         dr = fxfuse.ops.document_ranges(doc_ids(S, dev)) if layout == "docs8" else None
         op = torch.ops.fxfuse.softcap_attention
-        return lambda q, k, v: op(q, k, v, None, D ** -0.5, 0.0, True, 0, 0, dr, None)[0]
+        return lambda q, k, v: op(q, k, v, mask, D ** -0.5, 0.0, mask is None, 0, 0, dr, None)[0]
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         ids = doc_ids(S, dev)[0]
@@ -64,14 +68,15 @@ def build(impl, layout, S, q):
         flex = torch.compile(flex_attention, dynamic=False)
         return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True)
     if impl == "sdpa_cudnn":
-        if layout != "causal":
+        if layout not in ("causal", "mask"):
             return None
         from torch.nn.attention import SDPBackend, sdpa_kernel
         F = torch.nn.functional
 
         def f(q, k, v):
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                      enable_gqa=True)
         return f
     raise ValueError(impl)
 
@@ -157,6 +162,7 @@ def main():
     ap.add_argument("--layouts", default="docs8,causal")
     ap.add_argument("--impls", default="fxfuse,fxfuse_jit,flex,sdpa_cudnn")
     ap.add_argument("--n", type=int, default=200)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default="attention-host-time-h200.json")
     args = ap.parse_args()
     if args.breakdown:
@@ -170,7 +176,7 @@ def main():
     rows = []
     for layout in args.layouts.split(","):
         for S in map(int, args.lengths.split(",")):
-            q, k, v, do = make_inputs(S, dev=dev)
+            q, k, v, do = make_inputs(S, D=args.head_dim, dev=dev)
             for impl in args.impls.split(","):
                 base = "fxfuse" if impl.startswith("fxfuse") else impl
                 os.environ["FXFUSE_TRITON_FAST_LAUNCH"] = "0" if impl == "fxfuse_jit" else "1"
@@ -184,7 +190,7 @@ def main():
                     out = f(q, k, v)
                     torch.autograd.grad(out, (q, k, v), do)
                 both = time_loop(fwd_bwd, args.n, dev)
-                row = dict(impl=impl, layout=layout, S=S, D=128, fwd_host_us=fwd[0], fwd_wall_us=fwd[1],
+                row = dict(impl=impl, layout=layout, S=S, D=args.head_dim, fwd_host_us=fwd[0], fwd_wall_us=fwd[1],
                            fwd_gpu_us=fwd[2], host_us=both[0], wall_us=both[1], gpu_us=both[2])
                 rows.append(row)
                 print("@@ROW", json.dumps(row), flush=True)

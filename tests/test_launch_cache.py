@@ -105,6 +105,36 @@ def test_what_cannot_be_replayed(fast):
     assert replay((y, y), 0) and len(kern.binary.launches) == 1
 
 
+def test_scratch_tensors_are_allocated_afresh_by_each_replay(fast, monkeypatch):
+    """A tensor the launcher allocated between its launches (written by one, read by the next) is no role: the
+    replay allocates one of the same shape and dtype and passes it in both slots, never the recorded one."""
+    monkeypatch.setattr(torch, "empty", lambda shape, dtype=None, device=None, _e=torch.empty: _e(shape, dtype=dtype))
+    writer, reader = _Kernel(), _Kernel()
+    x, y = torch.zeros(64), torch.zeros(64)
+    rec = Recorder()
+    tmp = rec.scratch((5, 4), torch.int32, "cpu")
+    rec.launch(writer, (1,), (x, tmp, 5), dict(BLOCK=16))
+    rec.launch(reader, (2,), (tmp, y, 5), dict(BLOCK=16))
+    cache = PlanCache()
+    cache.store("sig", (x, y), rec)
+    gone = weakref.ref(tmp)
+    del tmp, rec
+    gc.collect()
+    assert gone() is None  # the recorded scratch is not kept
+    x2, y2 = torch.zeros(64), torch.zeros(64)
+    assert cache.lookup("sig", (x2, y2))((x2, y2), 0)
+    (_, _, wargs), = writer.binary.launches
+    (_, _, rargs), = reader.binary.launches
+    assert wargs[0] is x2 and rargs[1] is y2
+    assert wargs[1] is rargs[0] and wargs[1].shape == (5, 4) and wargs[1].dtype == torch.int32
+    rec = Recorder()
+    with pytest.raises(RuntimeError):  # a failed attempt forgets its scratch tensors too
+        with rec.attempt():
+            rec.scratch((3,), torch.int8, "cpu")
+            raise RuntimeError("out of resources")
+    assert rec.scratches == []
+
+
 def test_attempt_forgets_launches_of_a_failed_config():
     kern = _Kernel()
     rec = Recorder()

@@ -353,7 +353,7 @@ def test_autocast_casts_q_k_v_like_the_matmuls_it_replaces():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays launch compiled binaries: CUDA only (the "
                     "record / replay logic itself: test_launch_cache.py)")
-@pytest.mark.parametrize("layout", ["docs", "padded", "window_softcap"])
+@pytest.mark.parametrize("layout", ["docs", "padded", "window_softcap", "mask_tensor"])
 def test_replayed_launches_equal_the_jit_path(layout, monkeypatch):
     """From the second call with a signature on, the launchers replay their recorded launches with the new
     tensors: values and gradients must be those of the ordinary JIT path, bit for bit, on fresh data."""
@@ -361,9 +361,13 @@ def test_replayed_launches_equal_the_jit_path(layout, monkeypatch):
     from fxfuse.attention import backward as bw, forward as fw
 
     dev, B, Hq, Hkv, S, D = "cuda", 2, 4, 2, 300, 64
-    doc_ranges = key_valid = None
-    softcap, window = 0.0, 0
-    if layout == "docs":
+    doc_ranges = key_valid = mask = None
+    softcap, window, causal = 0.0, 0, True
+    if layout == "mask_tensor":  # HF's [B, 1, S, S] bool mask from another graph: block ranges from its tiles
+        pos = torch.arange(S, device=dev)
+        mask = ((pos[:, None] >= pos[None, :]) & (pos[None, :] >= torch.tensor([0, 40], device=dev)[:, None, None]))
+        mask, causal = mask[:, None], False
+    elif layout == "docs":
         doc_ranges = fxfuse.ops.document_ranges((torch.arange(S, device=dev) * 3 // S).expand(B, S))
     elif layout == "padded":
         key_valid = torch.arange(S, device=dev)[None, :] < torch.tensor([[S], [S // 3]], device=dev)
@@ -375,7 +379,7 @@ def test_replayed_launches_equal_the_jit_path(layout, monkeypatch):
         q, k, v = (torch.randn(B, h, S, D, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
                    for h in (Hq, Hkv, Hkv))
         do = torch.randn(B, Hq, S, D, device=dev, dtype=torch.bfloat16, generator=g)
-        out = torch.ops.fxfuse.softcap_attention(q, k, v, None, D ** -0.5, softcap, True, window, 0, doc_ranges,
+        out = torch.ops.fxfuse.softcap_attention(q, k, v, mask, D ** -0.5, softcap, causal, window, 0, doc_ranges,
                                                  key_valid)[0]
         return (out, *torch.autograd.grad(out, (q, k, v), do))
 

@@ -480,10 +480,12 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     dk = torch.empty(B, Hkv, Skv, Dh, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, Hkv, Skv, Dh, dtype=v.dtype, device=q.device)
     docs, kvv, span = recipe_tensors(doc_ranges, key_valid, lse)
+    mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
+    mask_role = (mt,) if mask is not None else ()
     templates = _DESCRIPTORS.get(plan)
     if templates is not None:
         q_desc, do_desc = (None if t is None else rebase_descriptor(t, x) for t, x in zip(templates, (q, do)))
-        roles = (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, q_desc, do_desc)
+        roles = (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, q_desc, do_desc, *mask_role)
         replay = _PLANS.lookup(plan, roles)
         if replay is not None and replay(roles, q.device.index):
             return nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows)
@@ -494,7 +496,6 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     PRE_M = 16 if interpreting() else 64
     rec.launch(_attn_bwd_pre, (triton.cdiv(S, PRE_M), B * Hq), (out, do, delta, *out.stride(), *do.stride(), Hq, S),
                dict(HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=PRE_M))
-    mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
     sc_mul, out_mul = score_scalars(scaling, softcap)
     common = dict(HEAD_DIM=Dh, BLOCK_D=BLOCK_D, SOFTCAP=softcap_mode(softcap, q.dtype), MASK_KIND=kind,
                   IS_CAUSAL=bool(causal),
@@ -513,13 +514,13 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         # split (5th config field): dK and dV in two launches, each holding one fp32 accumulator
         passes = [(True, False), (False, True)] if split and split[0] else [(True, True)]
         # rows = key blocks, columns = query blocks: the transposed mask's ranges
-        rng, rs = (mask_block_ranges_of(mt, ms, kind, B, Hq, Skv, S, BN, BM, transpose=True) if ranges
-                   else (lse, (0, 0)))
         # q / dO tiles through the copy engine where it can address them (no bounds masks, no pointer tiles)
         q_desc, do_desc = tile_descriptor(q, [1, 1, BM, BLOCK_D]), tile_descriptor(do, [1, 1, BM, BLOCK_D])
         use_desc = q_desc is not None and do_desc is not None
         descs[:] = [q_desc, do_desc] if use_desc else [None, None]
         with rec.attempt():
+            rng, rs = (mask_block_ranges_of(mt, ms, kind, B, Hq, Skv, S, BN, BM, transpose=True, rec=rec)
+                       if ranges else (lse, (0, 0)))
             for (do_dk, do_dv), (rows, flags) in itertools.product(passes, row_launches(has_kvv)):
                 rec.launch(_attn_bwd_dkdv, grid(triton.cdiv(Skv, BN), B * Hkv), (
                     q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dk, dv, descs[0], descs[1],
@@ -531,8 +532,9 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
-        rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         with rec.attempt():
+            rng, rs = (mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN, rec=rec) if ranges
+                       else (lse, (0, 0)))
             for rows, flags in row_launches(has_kvv):
                 rec.launch(_attn_bwd_dq, grid(triton.cdiv(S, BM), B * Hq), (
                     q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
@@ -549,5 +551,5 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         if len(_DESCRIPTORS) >= _PLANS.max_entries:
             _DESCRIPTORS.clear()
         _DESCRIPTORS[plan] = tuple(_descriptor_template(d) for d in descs)
-        _PLANS.store(plan, (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, *descs), rec)
+        _PLANS.store(plan, (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, *descs, *mask_role), rec)
     return nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows)

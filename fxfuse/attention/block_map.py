@@ -224,17 +224,25 @@ def use_mask_ranges(kind, causal, window) -> bool:
     return bool(MASK_BLOCK_RANGES and kind != 0 and not causal and not window)
 
 
-def mask_block_ranges_of(mt, ms, kind, B, Hq, R, C, BR, BC, transpose=False):
+def mask_block_ranges_of(mt, ms, kind, B, Hq, R, C, BR, BC, transpose=False, rec=None):
     """int32 [Bm * Hm * cdiv(R, BR), 4] (lo, b, c, hi) per row block, in column-block units, and its (batch,
     head) strides (0 where the mask broadcasts). ``transpose``: rows are keys, columns queries (dK/dV kernel).
-    Two launches, O(mask) reads, no host sync."""
+    Two launches, O(mask) reads, no host sync. With ``rec`` (a :class:`fxfuse.kernels.launch_cache.Recorder`)
+    they are recorded with the launcher's own, their two tensors as scratch: the launcher's replays redo them."""
     sb, sh, sm, sn = ms
     Bm, Hm = (B if sb else 1), (Hq if sh else 1)
     sr, sc = (sn, sm) if transpose else (sm, sn)
     NR, NC = triton.cdiv(R, BR), triton.cdiv(C, BC)
-    cls = torch.empty(Bm * Hm * NR * NC, dtype=torch.int8, device=mt.device)
-    _mask_tile_classes[(NC, NR, Bm * Hm)](mt, cls, sb, sh, sr, sc, R, C, NR, NC, Hm, BR=BR, BC=BC,
-                                          MASK_KIND=kind, num_warps=4)
-    rng = torch.empty(Bm * Hm * NR, 4, dtype=torch.int32, device=mt.device)
-    _mask_block_ranges[(Bm * Hm * NR,)](cls, rng, NC, BLOCK=128, num_warps=4)
+    if rec is None:
+        cls = torch.empty(Bm * Hm * NR * NC, dtype=torch.int8, device=mt.device)
+        rng = torch.empty(Bm * Hm * NR, 4, dtype=torch.int32, device=mt.device)
+        _mask_tile_classes[(NC, NR, Bm * Hm)](mt, cls, sb, sh, sr, sc, R, C, NR, NC, Hm, BR=BR, BC=BC,
+                                              MASK_KIND=kind, num_warps=4)
+        _mask_block_ranges[(Bm * Hm * NR,)](cls, rng, NC, BLOCK=128, num_warps=4)
+    else:
+        cls = rec.scratch((Bm * Hm * NR * NC,), torch.int8, mt.device)
+        rng = rec.scratch((Bm * Hm * NR, 4), torch.int32, mt.device)
+        rec.launch(_mask_tile_classes, (NC, NR, Bm * Hm), (mt, cls, sb, sh, sr, sc, R, C, NR, NC, Hm),
+                   dict(BR=BR, BC=BC, MASK_KIND=kind, num_warps=4))
+        rec.launch(_mask_block_ranges, (Bm * Hm * NR,), (cls, rng, NC), dict(BLOCK=128, num_warps=4))
     return rng, (Hm * NR * 4 if Bm > 1 else 0, NR * 4 if Hm > 1 else 0)

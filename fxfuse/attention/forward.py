@@ -160,15 +160,15 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     out = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
     docs, kvv, span = recipe_tensors(doc_ranges, key_valid, lse)
-    roles = (q, k, v, docs, kvv, span, out, lse)
+    Hkv, Skv = k.shape[1], k.shape[2]
+    mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
+    roles = (q, k, v, docs, kvv, span, out, lse) + ((mt,) if mask is not None else ())
     replay = _PLANS.lookup(key, roles)
     if replay is not None and replay(roles, q.device.index):
         return out, lse
 
-    Hkv, Skv = k.shape[1], k.shape[2]
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
     cfg = config_for("fwd", BLOCK_D, q.dtype, config)
-    mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
     sc_mul, out_mul = score_scalars(scaling, softcap)
 
     ranges = use_mask_ranges(kind, causal, window)
@@ -179,8 +179,8 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
-        rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN) if ranges else (lse, (0, 0))
         with rec.attempt():
+            rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN, rec=rec) if ranges else (lse, (0, 0))
             for rows, flags in row_launches(has_kvv):
                 rec.launch(_attn_fwd, grid(triton.cdiv(S, BM), B * Hq), (
                     q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms,

@@ -20,6 +20,7 @@ import torch
 
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
 
+from . import block_map
 from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
@@ -145,15 +146,17 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
              *extra):
     """What decides every argument of a launcher's Triton launches except the role tensors themselves (see
     fxfuse.kernels.launch_cache): shapes, strides, dtypes, device, scalars, which recipe vectors are given and
-    their layouts, and this module's switches. None (no replay) for a mask tensor (its block ranges are computed
-    per call), an explicit config, or masked_rows="uniform" (its value mean is computed per call)."""
-    if mask is not None or config is not None or masked_rows == MASKED_ROWS_UNIFORM:
+    their layouts, the mask tensor's (its block ranges are recorded as launches over scratch tensors, redone by
+    each replay) and this module's switches. None (no replay) for an explicit config or masked_rows="uniform" (its
+    value mean is computed per call)."""
+    if config is not None or masked_rows == MASKED_ROWS_UNIFORM:
         return None
     dr = None if doc_ranges is None else (doc_ranges.shape, doc_ranges.stride())
     kv = None if key_valid is None else (key_valid.shape, key_valid.stride())
+    m = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, scaling, softcap, causal, window, masked_rows, dr, kv, BLOCK_MAJOR_GRID, FAST_TANH, FORCE_INT64,
-            ROW_PAIRS, extra)
+            q.device, scaling, softcap, causal, window, masked_rows, dr, kv, m, BLOCK_MAJOR_GRID, FAST_TANH,
+            FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
 
 
 # Key flags, a pair of launches: the kernels' flag-reading variant (HAS_KVV) holds more registers, and at head dim

@@ -13,6 +13,8 @@ allocates its outputs and hands over only its tensors ("roles": q, k, v, out, ..
 *was* one of the recording call's role tensors is replaced by the new one, every other argument stays as
 recorded, and the binary is launched directly (what Inductor's generated launchers do for its own kernels).
 Triton specialises pointer arguments on 16-byte alignment, so the roles' alignment is part of the key.
+Scratch tensors a launcher allocates between its launches (a mask tensor's block ranges, written by one launch and
+read by the next) are recorded as their shape and dtype (:meth:`Recorder.scratch`); a replay allocates its own.
 
 Replays are off under the interpreter, with a launch hook installed (profilers), or with
 ``FXFUSE_TRITON_FAST_LAUNCH=0``: then every launch goes through the JIT.
@@ -76,26 +78,35 @@ class Recorder:
 
     def __init__(self):
         self.calls = []
+        self.scratches = []  # tensors allocated for these launches alone (a replay allocates its own)
 
     def launch(self, fn, grid, args, kwargs):
         binary = fn[grid](*args, **kwargs)
         self.calls.append((fn, grid, args, kwargs, binary))
         return binary
 
+    def scratch(self, shape, dtype, device):
+        """``torch.empty(shape)`` for the launches to come; a replay allocates the same afresh (every tensor
+        argument of a replayable launch is a role or a scratch)."""
+        t = torch.empty(shape, dtype=dtype, device=device)
+        self.scratches.append(t)
+        return t
+
     @contextlib.contextmanager
     def attempt(self):
         """Launches that stand or fall together: if one raises (a config that does not fit, retried with
         another), the ones before it are forgotten too."""
-        n = len(self.calls)
+        n, m = len(self.calls), len(self.scratches)
         try:
             yield
         except BaseException:
             del self.calls[n:]
+            del self.scratches[m:]
             raise
 
 
 class _ReplayedCall:
-    __slots__ = ("binary", "grid", "template", "slots")
+    __slots__ = ("binary", "grid", "template", "slots")  # slots: (argument position, role index)
 
     def __init__(self, binary, grid, template, slots):
         self.binary, self.grid, self.template, self.slots = binary, grid, template, slots
@@ -104,15 +115,16 @@ class _ReplayedCall:
 class Replay:
     """The recorded launches, launched again with new role tensors (:meth:`__call__`)."""
 
-    def __init__(self, calls, aliases=()):
+    def __init__(self, calls, aliases=(), scratches=()):
         self.calls = calls
         self.aliases = aliases
+        self.scratches = scratches  # (shape, dtype) of each scratch tensor, role index len(roles) + j
         self.launches = 0  # tests read it
 
     @classmethod
     def of(cls, recorder, roles):
-        """None where a launch cannot be replayed: an argument tensor that is no role, a callable grid, or a
-        binary that is not a plain compiled kernel."""
+        """None where a launch cannot be replayed: an argument tensor that is neither a role nor a scratch, a
+        callable grid, or a binary that is not a plain compiled kernel."""
         ids = {}
         aliases = []  # (i, j): role i was the very tensor of role j < i (a dummy, or k passed as v)
         for i, t in enumerate(roles):
@@ -121,6 +133,8 @@ class Replay:
                     aliases.append((i, ids[id(t)]))
                 else:
                     ids[id(t)] = i
+        for j, t in enumerate(recorder.scratches):
+            ids[id(t)] = len(roles) + j
         calls = []
         for fn, grid, args, kwargs, binary in recorder.calls:
             params = getattr(fn, "params", None)
@@ -141,7 +155,7 @@ class Replay:
                     template[pos] = None  # the recording call's tensors are not kept alive
             g = tuple(grid) + (1,) * (3 - len(grid))
             calls.append(_ReplayedCall(binary, g, template, tuple(slots)))
-        return cls(calls, tuple(aliases))
+        return cls(calls, tuple(aliases), tuple((tuple(t.shape), t.dtype) for t in recorder.scratches))
 
     def __call__(self, roles, device) -> bool:
         """Launch; False (nothing launched) where roles that were one tensor when recorded are not now: each
@@ -149,6 +163,9 @@ class Replay:
         for i, j in self.aliases:
             if roles[i] is not roles[j]:
                 return False
+        if self.scratches:  # freed on return: the caching allocator reuses them only after these launches
+            dev = torch.device("cuda", device) if isinstance(device, int) else device
+            roles = tuple(roles) + tuple(torch.empty(s, dtype=d, device=dev) for s, d in self.scratches)
         stream = _raw_stream(device)
         for c in self.calls:
             full = c.template[:]
