@@ -97,6 +97,20 @@ def time_loop(step, n, dev):
     return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6, e0.elapsed_time(e1) / n * 1e3
 
 
+def kernel_us(step, n=20):
+    """GPU kernel time per call of ``step`` (the sum of its kernels' durations, torch.profiler): what the call
+    costs the GPU, whatever the host does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / n
+
+
 def host_us(step, n=200, loops=5):
     """Min over ``loops`` of the CPU time per call of ``step`` queued back to back (no sync inside a loop)."""
     for _ in range(10):
@@ -163,6 +177,9 @@ def main():
     ap.add_argument("--impls", default="fxfuse,fxfuse_jit,flex,sdpa_cudnn")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kernel-time", action="store_true", help="also each row's GPU kernel time (torch.profiler)")
+    ap.add_argument("--profile-layout", default="docs8", help="the layout of the closing cProfile")
+    ap.add_argument("--profile-length", type=int, default=128)
     ap.add_argument("--out", default="attention-host-time-h200.json")
     args = ap.parse_args()
     if args.breakdown:
@@ -191,12 +208,13 @@ def main():
                     torch.autograd.grad(out, (q, k, v), do)
                 both = time_loop(fwd_bwd, args.n, dev)
                 row = dict(impl=impl, layout=layout, S=S, D=args.head_dim, fwd_host_us=fwd[0], fwd_wall_us=fwd[1],
-                           fwd_gpu_us=fwd[2], host_us=both[0], wall_us=both[1], gpu_us=both[2])
+                           fwd_gpu_us=fwd[2], host_us=both[0], wall_us=both[1], gpu_us=both[2],
+                           kernel_us=kernel_us(fwd_bwd) if args.kernel_time else None)
                 rows.append(row)
                 print("@@ROW", json.dumps(row), flush=True)
     os.environ["FXFUSE_TRITON_FAST_LAUNCH"] = "1"
-    q, k, v, do = make_inputs(128, dev=dev)
-    f = build("fxfuse", "docs8", 128, q)
+    q, k, v, do = make_inputs(args.profile_length, D=args.head_dim, dev=dev)
+    f = build("fxfuse", args.profile_layout, args.profile_length, q)
 
     def fwd_bwd():
         out = f(q, k, v)

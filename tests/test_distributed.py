@@ -154,39 +154,47 @@ def _gloo_worker_threads():
     return names.count("pt_gloo_runloop")
 
 
-def _mesh_holders(depth=5, limit=12):
-    """What keeps a DeviceMesh (and so its process group) alive: referrer chains from each live mesh, for the
-    teardown check's message (a torch that adds a cache holding the mesh shows up here by name)."""
+def _mesh_holders(depth=12, limit=8):
+    """What keeps a DeviceMesh (and so its process group) alive, for the teardown check's message: from each live
+    mesh up through containers (tuples, lists, dicts, DTensor's specs) to the first object that is none of those
+    (a cache, a module, a function, a class instance), or to a container nothing visible holds (held from C++)."""
     import gc
     import types
 
     from torch.distributed.device_mesh import DeviceMesh
 
     def name(o):
-        if isinstance(o, (types.FunctionType, types.MethodType)):
-            return f"{type(o).__name__} {getattr(o, '__qualname__', '?')}"
+        if isinstance(o, (types.FunctionType, types.MethodType, functools._lru_cache_wrapper)):
+            return f"{type(o).__name__} {getattr(o, '__module__', '?')}.{getattr(o, '__qualname__', '?')}"
         if isinstance(o, types.ModuleType):
             return f"module {o.__name__}"
         if isinstance(o, dict):
             return f"dict of {o['__name__']}" if "__name__" in o else f"dict({', '.join(map(str, list(o)[:4]))})"
-        return type(o).__qualname__
+        return f"{type(o).__module__}.{type(o).__qualname__}"
+
+    def container(o):
+        return isinstance(o, (tuple, list, dict, set, frozenset)) or type(o).__module__.startswith(
+            ("torch.distributed.tensor", "torch.distributed.device_mesh"))
 
     gc.collect()
     meshes = [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]
-    ended, seen = [], {id(meshes)}
+    found, seen = [], {id(meshes)}
     frontier = [(m, [name(m)]) for m in meshes]
     for _ in range(depth):
         nxt = []
         for obj, chain in frontier:
             refs = [r for r in gc.get_referrers(obj) if id(r) not in seen and not isinstance(r, types.FrameType)
-                    and r is not frontier and r is not nxt]
+                    and r is not frontier and r is not nxt and r is not found]
             seen.update(id(r) for r in refs)
-            nxt += [(r, chain + [name(r)]) for r in refs]
-            if not refs:  # held from outside the collector's view (a C++ object or a module global)
-                ended.append(chain)
-        frontier = nxt[:50]
-    chains = ended + [c for _, c in frontier]
-    return {"meshes": len(meshes), "chains": [" <- ".join(c) for c in chains[:limit]]}
+            if not refs:
+                found.append(chain + ["(held from outside the collector's view)"])
+            for r in refs:
+                (nxt if container(r) else found).append((r, chain + [name(r)]) if container(r) else chain + [name(r)])
+        frontier = nxt[:200]
+        if not frontier:
+            break
+    uniq = list(dict.fromkeys(" <- ".join(c[:1] + c[-3:]) for c in found))
+    return {"meshes": len(meshes), "holders": uniq[:limit]}
 
 
 def _teardown():
@@ -211,11 +219,10 @@ def _teardown():
         pass
     else:
         _clear_sharding_prop_cache()
-    # and, on torch 2.11, functools caches of torch.distributed that this does not clear (the GPU machine's gloo
-    # run kept the mesh through OpSpec / OpStrategy tuples): every such cache, found by the collector
+    # and, on torch 2.11, caches that this does not clear (the GPU machine's gloo run kept the mesh through
+    # OpSpec / OpStrategy tuples): every functools cache of torch, found by the collector
     for f in gc.get_objects():
-        if (isinstance(f, functools._lru_cache_wrapper)
-                and str(getattr(f, "__module__", "")).startswith("torch.distributed")):
+        if isinstance(f, functools._lru_cache_wrapper) and str(getattr(f, "__module__", "")).startswith("torch."):
             f.cache_clear()
     gc.collect()
     dist.destroy_process_group()
