@@ -22,7 +22,9 @@ Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 
 128256 vocab; default ``1b``), ``FSDP_LAYERS`` (default 16), ``FSDP_SEQ`` (tokens per row, 2 rows per GPU; default
 2048), ``FSDP_LORA=1`` (PEFT LoRA r16 on all seven projections, base weights frozen), ``FSDP_STEPS`` (timed steps,
 default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
-length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
+``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
+too). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -152,7 +154,10 @@ def main(impl):
         fwd = torch.compile(model, backend="fxfuse", options={"passes": {"linear_cross_entropy": False}})
     elif impl == "fxfuse-regions":
         off = [p for p in os.environ.get("FSDP_PASSES_OFF", "").split(",") if p]  # e.g. linear_cross_entropy
-        fwd = fxfuse.compile_regions(model, passes={p: False for p in off}) if off else fxfuse.compile_regions(model)
+        kw = dict(passes={p: False for p in off}) if off else {}
+        if os.environ.get("FSDP_COMPILER"):  # fxfuse's compiler option: auto (default), inductor, aot_eager
+            kw["compiler"] = os.environ["FSDP_COMPILER"]
+        fwd = fxfuse.compile_regions(model, **kw)
     elif impl == "fxfuse-regions-nopass":
         fwd = fxfuse.compile_regions(model, passes=[])
     elif impl == "fxfuse-regions-nolora":
@@ -193,7 +198,8 @@ def main(impl):
         times.append(time.perf_counter() - t0)
     loss = loss.item()
     dt = sorted(times)[len(times) // 2]
-    row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""), gpus=dist.get_world_size(),
+    row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""),
+               compiler=os.environ.get("FSDP_COMPILER", "auto"), gpus=dist.get_world_size(),
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
@@ -227,7 +233,7 @@ def main(impl):
         for r in fxfuse.reports():
             for rec in r.fused:
                 fused[rec.pass_name] = fused.get(rec.pass_name, 0) + 1
-        row.update(fused=fused, graphs=len(fxfuse.reports()),
+        row.update(fused=fused, graphs=len(fxfuse.reports()), lowering=[r.lowering[:20] for r in fxfuse.reports()],
                    rolled_back=[f"{r.graph_name}: {x.pass_name}: {x.reason[:100]}" for r in fxfuse.reports()
                                 for x in r.rolled_back])
     if rank == 0:

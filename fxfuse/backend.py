@@ -4,6 +4,7 @@
 
     Dynamo graph -> PassManager.run (every enabled pass, validated, rolled back on its own; the report)
                  -> compile_fx(gm, example_inputs, config_patches=mode + Inductor options + fxfuse's cache key)
+                    (AOTAutograd alone where the passes left Inductor nothing to generate: fxfuse.lowering)
                  -> the compiled function, with substituted outputs (lazy logits) rebuilt around it
 
 Registered under the ``torch_dynamo_backends`` entry point, so ``torch.compile(model, backend="fxfuse")``
@@ -17,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .errors import FxFuseError, raised_through_dynamo
+from .lowering import reason_to_skip_inductor
 from .options import FxFuseOptions
 from .pass_manager import PassManager
 from .site_errors import wrap_site_errors
@@ -62,7 +64,12 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
 
         patches.setdefault("trace.enabled", True)
         patches.setdefault("trace.debug_dir", os.path.join(os.path.abspath(manager.debug_dir), "inductor"))
-    if opts.compiler == "aot_eager":
+    # compiler="auto": Inductor, unless the rewritten graph left it nothing to generate (fxfuse.lowering); a mode or
+    # Inductor options the user gave ask for Inductor
+    skip = (reason_to_skip_inductor(gm) if opts.compiler == "auto" and mode in (None, "default") and not opts.inductor
+            else None)
+    rep.lowering = f"aot_eager: {skip}" if skip else ("aot_eager" if opts.compiler == "aot_eager" else "inductor")
+    if opts.compiler == "aot_eager" or skip:
         compiled = _aot_eager(gm, example_inputs)
     else:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)

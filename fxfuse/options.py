@@ -32,8 +32,10 @@ FXFUSE_KEYS = {
     "strict": "bool: raise FxFuseError instead of rolling a failed pass back (default False)",
     "debug_dir": "str: dump the graphs before/after fxfuse's passes, the report and Inductor's output here",
     "pass_options": "dict {pass name: {option: value}} handed to the passes (see each pass's docstring)",
-    "compiler": "what lowers the rewritten graph: 'inductor' (default) or 'aot_eager' (AOTAutograd, eager "
-                "kernels: for debugging passes and fast tests)",
+    "compiler": "what lowers the rewritten graph: 'auto' (default: Inductor, except a graph left with nothing for "
+                "it to generate after fxfuse's passes, only fxfuse ops, views and label bookkeeping, which runs "
+                "through AOTAutograd as is; see fxfuse.lowering), 'inductor' (every graph) or 'aot_eager' "
+                "(AOTAutograd, eager kernels: for debugging passes and fast tests)",
     "offload_activations": "None (default: auto, where the step's predicted peak would not fit the GPU), a bool, or an "
                            "int (bytes): keep the inputs of checkpointed regions (each layer's input under gradient "
                            "checkpointing) of at least that many bytes (True: 16 MiB) in pinned host memory between "
@@ -45,7 +47,7 @@ FXFUSE_KEYS = {
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
 }
-COMPILERS = ("inductor", "aot_eager")
+COMPILERS = ("auto", "inductor", "aot_eager")
 DEFAULT_OFFLOAD_MIN_BYTES = 16 * 2**20  # offload_activations=True: region inputs of at least 16 MiB
 
 
@@ -120,7 +122,7 @@ class FxFuseOptions:
     strict: bool = False
     debug_dir: Optional[str] = None
     pass_options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    compiler: str = "inductor"
+    compiler: str = "auto"
     verify: bool = False
     inductor: Dict[str, Any] = field(default_factory=dict)
     offload_min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES  # region inputs at least this large are candidates
@@ -166,7 +168,7 @@ class FxFuseOptions:
         env_verify = os.environ.get("FXFUSE_VERIFY", "0") not in ("", "0")
         verify = _check_bool("verify", ours["verify"]) if ours.get("verify") is not None else env_verify
 
-        compiler = ours.get("compiler", "inductor")
+        compiler = ours.get("compiler", "auto")
         if compiler not in COMPILERS:
             raise FxFuseOptionsError(_join(f"options['compiler'] must be one of {', '.join(map(repr, COMPILERS))}, "
                                            f"got {_kind(compiler)}", did_you_mean(compiler, COMPILERS)))

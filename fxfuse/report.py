@@ -57,6 +57,9 @@ class FusionReport:
     #: ``verify``: per pass, its worst output / gradient difference from the unfused graph, as a fraction of the
     #: tolerance (rolled-back passes are in ``rolled_back``)
     verified: Dict[str, float] = field(default_factory=dict)
+    #: what lowered the graph after the passes: "inductor", "aot_eager" (the option), or "aot_eager: <why>" where
+    #: compiler="auto" found nothing left for Inductor to generate (fxfuse.lowering); "" before lowering / installed
+    lowering: str = ""
 
     # -- views tests and tools use -------------------------------------------------------------------------
     @property
@@ -82,7 +85,7 @@ class FusionReport:
     def to_dict(self) -> dict:
         return dict(graph_name=self.graph_name, records=[r.to_dict() for r in self.records],
                     pass_ms=dict(self.pass_ms), passes_run=list(self.passes_run), num_nodes=self.num_nodes,
-                    verified=dict(self.verified),
+                    verified=dict(self.verified), lowering=self.lowering,
                     saved_bytes=self.saved_bytes)
 
     @classmethod
@@ -90,7 +93,8 @@ class FusionReport:
         """The report :meth:`to_dict` gave (``debug_dir`` keeps one per graph as ``*.report.json``)."""
         return cls(graph_name=d["graph_name"], records=[SiteRecord(**r) for r in d.get("records", [])],
                    pass_ms=dict(d.get("pass_ms", {})), passes_run=list(d.get("passes_run", [])),
-                   num_nodes=int(d.get("num_nodes", 0)), verified=dict(d.get("verified", {})))
+                   num_nodes=int(d.get("num_nodes", 0)), verified=dict(d.get("verified", {})),
+                   lowering=str(d.get("lowering", "")))
 
     def summary(self) -> str:
         return (f"fxfuse {self.graph_name}: {len(self.fused)} fused, {len(self.skipped)} skipped, "
@@ -101,6 +105,8 @@ class FusionReport:
         lines = [self.summary()]
         if not self.records:
             lines.append("  (no site matched any enabled pass: the graph went to Inductor unchanged)")
+        if self.lowering.startswith("aot_eager: "):
+            lines.append(f"  lowered without Inductor: {self.lowering[len('aot_eager: '):]}")
         if self.verified:
             lines.append("  verified against the unfused graph (worst difference / tolerance): " +
                          ", ".join(f"{k} {v:.2g}" for k, v in self.verified.items()))

@@ -29,7 +29,8 @@ BAD = [
     ({"strict": "false"}, r"options\['strict'\] must be True or False, got 'false' \(a str\)"),
     ({"verify": 1}, r"options\['verify'\] must be True or False, got 1 \(an int\)"),
     ({"max_autotun": True}, r"did you mean 'max_autotune'\?"),
-    ({"compiler": "indcutor"}, r"options\['compiler'\] must be one of 'inductor', 'aot_eager'.*did you mean 'inductor'"),
+    ({"compiler": "indcutor"}, r"options\['compiler'\] must be one of 'auto', 'inductor', 'aot_eager'.*did you "
+                               r"mean 'inductor'"),
     ({"passes": {"lora_linar": False}}, r"unknown pass 'lora_linar'; did you mean 'lora_linear'\?"),
     ({"passes": ["sdpa_causal_msk"]}, r"did you mean 'sdpa_causal_mask'\?"),
     ({"passes": {"lora_linear": 0}}, r"options\['passes'\]\['lora_linear'\] must be True or False, got 0"),

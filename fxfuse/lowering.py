@@ -1,0 +1,112 @@
+"""Which compiler lowers a graph after fxfuse's passes: Inductor, unless it would have nothing to generate.
+
+After the passes, some graphs hold only fxfuse's ops and bookkeeping: ``compile_regions``' loss graph is the
+lm-head's input sliced, the labels padded and shifted, and ``fxfuse::linear_cross_entropy``. Inductor would spend
+seconds of the first step on it (tracing, lowering, code generation, loading, the same again for the backward) to
+emit one small kernel for the labels, while the work is the fused op's either way. Such a graph is run through
+AOTAutograd as it is (``compiler="aot_eager"``'s lowering): the same ops, the same autograd, no code generation.
+
+"Nothing to generate" is decided from the graph's nodes and the example values Dynamo recorded on them, and only
+where it is clear; anything else goes to Inductor:
+
+* fxfuse's own ops (``torch.ops.fxfuse.*``), which Inductor calls as they are;
+* nodes with no tensor output (sizes, Python values) and views (outputs that alias an input: slices, reshapes,
+  ``.to`` to the same device and dtype, ``.contiguous()`` of a contiguous tensor);
+* integer / bool ops no larger than twice the graph's largest integer / bool input (label shifting and padding:
+  O(tokens), never an S x S mask, which Inductor builds in one fused kernel).
+
+Any floating-point op that is not a view, any submodule or higher-order op (checkpoint bodies, autograd functions),
+and any node without an example value keeps Inductor. The choice and its reason are in the graph's fusion report
+(``FusionReport.lowering``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional
+
+import torch
+import torch.fx as fx
+
+__all__ = ["reason_to_skip_inductor"]
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _example(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _numel_hint(t: torch.Tensor) -> Optional[int]:
+    """The element count at the example sizes (a symbolic size's hint), None where one has no hint."""
+    n = 1
+    for s in t.shape:
+        if isinstance(s, torch.SymInt):
+            if not s.node.has_hint():
+                return None  # data-dependent (unbacked)
+            s = s.node.hint
+        n *= int(s)
+    return n
+
+
+def _is_fxfuse_op(target: Any) -> bool:
+    return isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
+        getattr(target, "namespace", None) == "fxfuse"
+
+
+def _aliases_an_input(out: torch.Tensor, inputs: List[torch.Tensor]) -> bool:
+    if out._is_view():
+        return True
+    return any(out is t for t in inputs)
+
+
+def _is_float(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point or t.dtype.is_complex
+
+
+def reason_to_skip_inductor(gm: fx.GraphModule) -> Optional[str]:
+    """Why Inductor would have nothing to generate for ``gm`` (see the module docstring), or None if it would."""
+    largest_index_input = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            for t in _tensors(_example(node)):
+                if not _is_float(t):
+                    n = _numel_hint(t)
+                    if n is None:
+                        return None
+                    largest_index_input = max(largest_index_input, n)
+    fused = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            if isinstance(getattr(gm, str(node.target), None), torch.nn.Module):
+                return None  # a higher-order op's body
+            continue
+        if node.op not in ("call_function", "call_method"):
+            return None  # a submodule
+        if _is_fxfuse_op(node.target):
+            fused += 1
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return None
+        if "example_value" not in node.meta and "val" not in node.meta:
+            return None
+        outs = list(_tensors(_example(node)))
+        ins = [t for a in node.all_input_nodes for t in _tensors(_example(a))]
+        for out in outs:
+            if _aliases_an_input(out, ins):
+                continue
+            if _is_float(out) or any(_is_float(t) for t in ins):
+                return None  # floating-point work: Inductor's
+            n = _numel_hint(out)
+            if n is None or n > 2 * largest_index_input + 1024:
+                return None  # an index tensor larger than any input's few columns more (a mask being built)
+    if not fused:
+        return None  # nothing of fxfuse's: leave such graphs to Inductor, as without fxfuse
+    return (f"nothing left for Inductor after fxfuse's passes ({fused} fxfuse op{'s' if fused > 1 else ''}, views "
+            f"and O(tokens) integer ops): run through AOTAutograd as is, no code generation")

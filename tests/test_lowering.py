@@ -1,0 +1,96 @@
+"""fxfuse.lowering: a graph left with nothing for Inductor to generate after fxfuse's passes (fxfuse ops, views,
+O(tokens) label bookkeeping) is lowered without Inductor under compiler="auto"; any floating-point work, a mask being
+built, a graph without fxfuse ops, or Inductor settings the user gave keep Inductor. The values are the same."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxfuse
+import fxfuse.ops  # noqa: F401  (registers torch.ops.fxfuse.*)
+from fxfuse.lowering import reason_to_skip_inductor
+
+LCE = torch.ops.fxfuse.linear_cross_entropy.default
+
+
+def _dynamo_graph(fn, *args):
+    """The graph Dynamo hands a backend for ``fn(*args)`` (with its example values), as fxfuse's backend sees it."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def _inputs(S=24, V=64, H=16):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, S, H, generator=g)
+    w = torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (2, S), generator=g)
+    return h, w, labels
+
+
+def _loss_graph(h, w, labels):  # compile_regions' loss graph after the lm-head pass (HF's ForCausalLMLoss shifts)
+    shift = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous().view(-1)
+    return LCE(h[:, 0:, :], w, shift, None, -100, "mean", 0.0, 1.0, 0.0, True, 0)
+
+
+def test_label_bookkeeping_around_a_fused_op_needs_no_inductor():
+    why = reason_to_skip_inductor(_dynamo_graph(_loss_graph, *_inputs()))
+    assert why is not None and "1 fxfuse op" in why
+
+
+def test_floating_point_work_keeps_inductor():
+    def scaled(h, w, labels):
+        return _loss_graph(h * 2.0, w, labels)  # an elementwise op Inductor would generate code for
+    assert reason_to_skip_inductor(_dynamo_graph(scaled, *_inputs())) is None
+
+
+def test_a_mask_being_built_keeps_inductor():
+    def with_mask(h, w, labels):
+        S = labels.shape[1] * 4
+        pos = torch.arange(S)
+        mask = pos[:, None] >= pos[None, :]  # S x S bool: Inductor builds it in one kernel, eager in several
+        return _loss_graph(h, w, labels), mask
+    assert reason_to_skip_inductor(_dynamo_graph(with_mask, *_inputs())) is None
+
+
+def test_a_graph_without_fxfuse_ops_keeps_inductor():
+    def views_only(h, w, labels):
+        return h[:, 1:], labels.view(-1)
+    assert reason_to_skip_inductor(_dynamo_graph(views_only, *_inputs())) is None
+
+
+def _lm_head_loss(h, w, labels):
+    """What the lm-head pass fuses: linear -> cross-entropy on shifted labels (HF's ForCausalLMLoss)."""
+    logits = F.linear(h, w)
+    shift = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("options,lowered_by", [({}, "aot_eager: "), ({"compiler": "inductor"}, "inductor"),
+                                                ({"max_autotune": False}, "inductor")])
+def test_backend_lowering_and_values(options, lowered_by):
+    """Through the backend, as users call it: the fused loss graph skips Inductor by default (said in the report),
+    and not where Inductor is asked for; values and gradients equal the eager graph's either way."""
+    h, w, labels = _inputs()
+    h64, w64 = (t.double().requires_grad_() for t in (h, w))
+    ref = _lm_head_loss(h64, w64, labels)
+    ref.backward()
+    h, w = h.requires_grad_(), w.requires_grad_()
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    loss = torch.compile(_lm_head_loss, backend="fxfuse", options=options)(h, w, labels)
+    loss.backward()
+    (rep,) = fxfuse.reports()
+    assert [r.pass_name for r in rep.fused] == ["linear_cross_entropy"]
+    assert rep.lowering.startswith(lowered_by), rep.lowering
+    assert ("lowered without Inductor" in str(rep)) == lowered_by.startswith("aot_eager")
+    assert fxfuse.FusionReport.from_dict(rep.to_dict()).lowering == rep.lowering
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
