@@ -199,7 +199,8 @@ def main(impl):
     loss = loss.item()
     dt = sorted(times)[len(times) // 2]
     row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""),
-               compiler=os.environ.get("FSDP_COMPILER", "auto"), gpus=dist.get_world_size(),
+               compiler=os.environ.get("FSDP_COMPILER", "auto") if impl == "fxfuse-regions" else None,
+               gpus=dist.get_world_size(),
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
