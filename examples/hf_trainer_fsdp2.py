@@ -11,7 +11,9 @@ under FSDP2. ``--no-compile`` runs the same thing eagerly (tests compare the two
 ``fxfuse.compile_regions(model)`` instead (each decoder layer once, the base model eager, the lm-head loss fused)
 and leaves ``torch_compile`` off; ``--inductor`` is accelerate's plain Inductor compile, for comparison. On a
 machine without a GPU it runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused
-passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory.
+passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory;
+``--profile`` (GPU) leaves the last two steps out of the timing and adds where their time went (GPU time by kernel
+kind, NCCL time no compute overlaps, the host's top ops; ``benchmarks/trace_summary.py``).
 """
 import argparse
 import json

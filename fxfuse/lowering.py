@@ -7,17 +7,18 @@ emit one small kernel for the labels, while the work is the fused op's either wa
 AOTAutograd as it is (``compiler="aot_eager"``'s lowering): the same ops, the same autograd, no code generation.
 
 "Nothing to generate" is decided from the graph's nodes and the example values Dynamo recorded on them, and only
-where it is clear; anything else goes to Inductor:
+where it is clear; anything else goes to Inductor. The graph must hold at least one of fxfuse's ops (a graph fxfuse
+did not rewrite goes to Inductor, as it would without fxfuse), and every other node must be one of:
 
 * fxfuse's own ops (``torch.ops.fxfuse.*``), which Inductor calls as they are;
 * nodes with no tensor output (sizes, Python values) and views (outputs that alias an input: slices, reshapes,
   ``.to`` to the same device and dtype, ``.contiguous()`` of a contiguous tensor);
-* integer / bool ops no larger than twice the graph's largest integer / bool input (label shifting and padding:
-  O(tokens), never an S x S mask, which Inductor builds in one fused kernel).
+* integer / bool ops of at most twice the graph's largest integer / bool input plus 1024 elements (label shifting
+  and padding: O(tokens), never an S x S mask, which Inductor builds in one fused kernel).
 
 Any floating-point op that is not a view, any submodule or higher-order op (checkpoint bodies, autograd functions),
-and any node without an example value keeps Inductor. The choice and its reason are in the graph's fusion report
-(``FusionReport.lowering``).
+and any node without an example value keeps Inductor; so does a ``mode`` or an Inductor option the user passed (the
+backend checks that). The choice and its reason are in the graph's fusion report (``FusionReport.lowering``).
 """
 from __future__ import annotations
 
