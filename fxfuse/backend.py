@@ -77,19 +77,68 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """AOTAutograd with no compiler (the ``compiler="aot_eager"`` option): the partitioned graphs run as they are,
-    after the one post-partition step fxfuse needs in every mode (the host-offload round trips folded)."""
+    """AOTAutograd with no compiler (``compiler="aot_eager"``, and graphs ``"auto"`` finds nothing in for Inductor):
+    the partitioned graphs run as they are, after the post-partition steps fxfuse needs in every mode (the host-offload
+    round trips folded; fxfuse's own in-place ops allowed to write in place, :func:`_mutate_in_place`)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.debugging import aot_eager
 
     from .ops.host_offload import fold_round_trips
 
-    def run_as_is(g: fx.GraphModule, _example):
+    def run_as_is(g: fx.GraphModule, _example, backward=False):
         fold_round_trips(g.graph)
+        _mutate_in_place(g.graph, backward)
         g.recompile()  # also where nothing was folded: the host copies' waits may have been added
         return make_boxed_func(g.forward)
 
-    return aot_eager(gm, example_inputs, fw_compiler=run_as_is, bw_compiler=run_as_is)
+    return aot_eager(gm, example_inputs, fw_compiler=run_as_is,
+                     bw_compiler=lambda g, example: run_as_is(g, example, backward=True))
+
+
+def _donated_backward_inputs(graph: fx.Graph) -> set:
+    """The backward graph's inputs AOTAutograd donated (saved tensors no one reads after this backward: it refuses
+    ``retain_graph=True`` for such a graph), as placeholder nodes; empty outside a backward compile."""
+    try:
+        from torch._inductor.utils import get_donated_idxs
+        idxs = get_donated_idxs() or ()
+    except Exception:  # pragma: no cover - a torch without donated buffers
+        return set()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return {placeholders[i] for i in idxs if i < len(placeholders)}
+
+
+def _mutate_in_place(graph: fx.Graph, backward: bool) -> None:
+    """Let fxfuse's mutating ops write into their buffers where no one can tell.
+
+    AOTAutograd functionalizes an in-place custom op into ``auto_functionalized_v2``, which run as it is clones every
+    buffer the op writes first. The lm-head loss's backward is such an op (``linear_cross_entropy_scale_grads_``
+    scales the gradients its forward computed): the clone is a second copy of the lm-head weight's gradient at
+    the start of the backward (1 GiB at Llama-3-8B's head; Inductor's code clones it too, then frees the saved one).
+    A buffer is written in place only where no one can see the difference: an intermediate that is no view (of an
+    input or anything else) and whose one user is this op, or (``backward``) a backward input AOTAutograd donated
+    whose one user is this op. Other ops' nodes are left as they are."""
+    af2 = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
+    if af2 is None:  # pragma: no cover
+        return
+    donated = None
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not af2 or not node.args:
+            continue
+        op = node.args[0]
+        if getattr(op, "namespace", None) != "fxfuse":
+            continue
+        if donated is None:
+            donated = _donated_backward_inputs(graph) if backward else set()
+        bases = node.kwargs.get("_all_bases", [])
+        keep = tuple(i for i, b in enumerate(bases) if not (isinstance(b, fx.Node) and len(b.users) == 1 and (
+            b in donated or (b.op == "call_function" and _owns_its_storage(b)))))
+        if keep != tuple(range(len(bases))):
+            node.kwargs = {**node.kwargs, "_only_clone_these_bases": keep}
+
+
+def _owns_its_storage(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not val._is_view()
 
 
 def _data_dependent_size_patches(gm: fx.GraphModule, patches: Dict[str, Any]) -> Dict[str, Any]:

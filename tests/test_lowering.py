@@ -94,3 +94,42 @@ def test_backend_lowering_and_values(options, lowered_by):
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_lowered_without_inductor_the_loss_backward_scales_its_gradients_in_place(monkeypatch):
+    """The lm-head loss's backward scales the gradients its forward computed with an in-place op, which AOTAutograd
+    wraps in auto_functionalized_v2 (a clone of every buffer it writes: a second lm-head weight gradient). Lowered
+    without Inductor, the backward writes the donated buffers in place (nothing cloned); gradients stay those of
+    the eager graph over repeated steps, and a first backward with retain_graph=True (no donated buffers) still
+    gives the right sums."""
+    import fxfuse.backend as backend
+
+    clone_sets = []
+    real = backend._mutate_in_place
+
+    def spy(graph, is_backward):
+        real(graph, is_backward)
+        af2 = torch.ops.higher_order.auto_functionalized_v2
+        clone_sets.extend((is_backward, n.kwargs.get("_only_clone_these_bases", "all"))
+                          for n in graph.nodes if n.target is af2)
+
+    monkeypatch.setattr(backend, "_mutate_in_place", spy)
+    h, w, labels = _inputs()
+    h64, w64 = (t.double().requires_grad_() for t in (h, w))
+    _lm_head_loss(h64, w64, labels).backward()
+    h, w = h.requires_grad_(), w.requires_grad_()
+    torch._dynamo.reset()
+    step = torch.compile(_lm_head_loss, backend="fxfuse")
+    for _ in range(2):
+        h.grad = w.grad = None
+        step(h, w, labels).backward()
+        torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-5)
+    assert clone_sets == [(True, ())], clone_sets  # the backward's scale op clones none of its buffers
+
+    torch._dynamo.reset()
+    h.grad = w.grad = None
+    loss = torch.compile(_lm_head_loss, backend="fxfuse")(h, w, labels)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(w.grad.double(), 2 * w64.grad, rtol=1e-4, atol=1e-5)
