@@ -133,3 +133,26 @@ def test_lowered_without_inductor_the_loss_backward_scales_its_gradients_in_plac
     loss.backward(retain_graph=True)
     loss.backward()
     torch.testing.assert_close(w.grad.double(), 2 * w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_regions_loss_graph_skips_inductor_and_its_blocks_do_not():
+    """As users call it: compile_regions with default options lowers the fused loss graph without Inductor and the
+    blocks (floating-point work) with it; loss and gradients those of the eager model."""
+    from conftest import grads_of, tiny_causal_lm
+
+    ref = tiny_causal_lm("llama", attn_implementation="sdpa")
+    m = tiny_causal_lm("llama", attn_implementation="sdpa")
+    fxfuse.clear_reports()
+    fxfuse.compile_regions(m)
+    ids = torch.randint(0, 128, (2, 19))
+    out = m(input_ids=ids, labels=ids.clone(), use_cache=False)
+    out.loss.backward()
+    want = ref(input_ids=ids, labels=ids.clone(), use_cache=False)
+    want.loss.backward()
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    g0, g1 = grads_of(ref), grads_of(m)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=2e-4, atol=2e-6)
+    lowered = {("linear_cross_entropy" in [s.pass_name for s in r.fused]): r.lowering for r in fxfuse.reports()}
+    assert lowered[True].startswith("aot_eager: "), lowered    # the loss graph
+    assert lowered[False] == "inductor", lowered                # the blocks
