@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .errors import FxFuseError, raised_through_dynamo
+from .graph_utils import node_val
 from .lowering import reason_to_skip_inductor
 from .options import FxFuseOptions
 from .pass_manager import PassManager
@@ -66,9 +67,14 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
         patches.setdefault("trace.debug_dir", os.path.join(os.path.abspath(manager.debug_dir), "inductor"))
     # compiler="auto": Inductor, unless the rewritten graph left it nothing to generate (fxfuse.lowering); a mode or
     # Inductor options the user gave ask for Inductor
-    skip = (reason_to_skip_inductor(gm) if opts.compiler == "auto" and mode in (None, "default") and not opts.inductor
-            else None)
-    rep.lowering = f"aot_eager: {skip}" if skip else ("aot_eager" if opts.compiler == "aot_eager" else "inductor")
+    skip, failed = None, ""
+    if opts.compiler == "auto" and mode in (None, "default") and not opts.inductor:
+        try:
+            skip = reason_to_skip_inductor(gm)
+        except Exception as e:  # a graph the rule cannot read is Inductor's, as it would be without the rule
+            failed = f" (the lowering check could not read this graph: {type(e).__name__}: {str(e)[:160]})"
+    rep.lowering = (f"aot_eager: {skip}" if skip else "aot_eager" if opts.compiler == "aot_eager"
+                    else "inductor" + failed)
     if opts.compiler == "aot_eager" or skip:
         compiled = _aot_eager(gm, example_inputs)
     else:
@@ -137,7 +143,7 @@ def _mutate_in_place(graph: fx.Graph, backward: bool) -> None:
 
 
 def _owns_its_storage(node: fx.Node) -> bool:
-    val = node.meta.get("val")
+    val = node_val(node)
     return isinstance(val, torch.Tensor) and not val._is_view()
 
 

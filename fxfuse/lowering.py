@@ -22,36 +22,19 @@ backend checks that). The choice and its reason are in the graph's fusion report
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from .graph_utils import node_val, numel_hint
 
 __all__ = ["reason_to_skip_inductor"]
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _example(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def _numel_hint(t: torch.Tensor) -> Optional[int]:
-    """The element count at the example sizes (a symbolic size's hint), None where one has no hint."""
-    n = 1
-    for s in t.shape:
-        if isinstance(s, torch.SymInt):
-            if not s.node.has_hint():
-                return None  # data-dependent (unbacked)
-            s = s.node.hint
-        n *= int(s)
-    return n
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _is_fxfuse_op(target: Any) -> bool:
@@ -74,12 +57,9 @@ def reason_to_skip_inductor(gm: fx.GraphModule) -> Optional[str]:
     largest_index_input = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            for t in _tensors(_example(node)):
+            for t in _tensors(node_val(node)):
                 if not _is_float(t):
-                    n = _numel_hint(t)
-                    if n is None:
-                        return None
-                    largest_index_input = max(largest_index_input, n)
+                    largest_index_input = max(largest_index_input, numel_hint(t))
     fused = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -97,15 +77,14 @@ def reason_to_skip_inductor(gm: fx.GraphModule) -> Optional[str]:
             return None
         if "example_value" not in node.meta and "val" not in node.meta:
             return None
-        outs = list(_tensors(_example(node)))
-        ins = [t for a in node.all_input_nodes for t in _tensors(_example(a))]
+        outs = _tensors(node_val(node))
+        ins = [t for a in node.all_input_nodes for t in _tensors(node_val(a))]
         for out in outs:
             if _aliases_an_input(out, ins):
                 continue
             if _is_float(out) or any(_is_float(t) for t in ins):
                 return None  # floating-point work: Inductor's
-            n = _numel_hint(out)
-            if n is None or n > 2 * largest_index_input + 1024:
+            if numel_hint(out) > 2 * largest_index_input + 1024:
                 return None  # an index tensor larger than any input's few columns more (a mask being built)
     if not fused:
         return None  # nothing of fxfuse's: leave such graphs to Inductor, as without fxfuse

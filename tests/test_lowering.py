@@ -136,23 +136,50 @@ def test_lowered_without_inductor_the_loss_backward_scales_its_gradients_in_plac
 
 
 def test_compile_regions_loss_graph_skips_inductor_and_its_blocks_do_not():
-    """As users call it: compile_regions with default options lowers the fused loss graph without Inductor and the
-    blocks (floating-point work) with it; loss and gradients those of the eager model."""
+    """As users call it (no dynamic=, a new length every batch, labels a tensor of their own): compile_regions with
+    default options lowers the fused loss graph without Inductor, static and symbolic-length alike, and the blocks
+    (floating-point work) with it; the graphs are the same two per region as with Inductor everywhere (a static one,
+    then one symbolic in the length); loss and gradients those of the eager model at every length."""
     from conftest import grads_of, tiny_causal_lm
 
     ref = tiny_causal_lm("llama", attn_implementation="sdpa")
     m = tiny_causal_lm("llama", attn_implementation="sdpa")
     fxfuse.clear_reports()
     fxfuse.compile_regions(m)
-    ids = torch.randint(0, 128, (2, 19))
-    out = m(input_ids=ids, labels=ids.clone(), use_cache=False)
-    out.loss.backward()
-    want = ref(input_ids=ids, labels=ids.clone(), use_cache=False)
-    want.loss.backward()
-    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-    g0, g1 = grads_of(ref), grads_of(m)
-    for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=2e-4, atol=2e-6)
-    lowered = {("linear_cross_entropy" in [s.pass_name for s in r.fused]): r.lowering for r in fxfuse.reports()}
-    assert lowered[True].startswith("aot_eager: "), lowered    # the loss graph
-    assert lowered[False] == "inductor", lowered                # the blocks
+    for n in (19, 23, 27):
+        m.zero_grad()
+        ref.zero_grad()
+        ids = torch.randint(0, 128, (2, n))
+        out = m(input_ids=ids, labels=ids.clone(), use_cache=False)
+        out.loss.backward()
+        want = ref(input_ids=ids, labels=ids.clone(), use_cache=False)
+        want.loss.backward()
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        g0, g1 = grads_of(ref), grads_of(m)
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=2e-4, atol=2e-6)
+    reps = fxfuse.reports()
+    heads = [r.lowering for r in reps if "linear_cross_entropy" in [s.pass_name for s in r.fused]]
+    blocks = [r.lowering for r in reps if "linear_cross_entropy" not in [s.pass_name for s in r.fused]]
+    assert len(heads) == 2 and all(x.startswith("aot_eager: ") for x in heads), heads  # the loss graphs
+    assert blocks == ["inductor", "inductor"], blocks                                 # the blocks
+
+
+def test_a_lowering_check_that_fails_leaves_the_graph_to_inductor(monkeypatch):
+    """Should the rule ever fail to read a graph, the graph goes to Inductor, with the reason in the report, and
+    computes the same values: never a crash."""
+    import fxfuse.backend as backend
+
+    def unreadable(gm):
+        raise RuntimeError("no example value")
+
+    monkeypatch.setattr(backend, "reason_to_skip_inductor", unreadable)
+    h, w, labels = _inputs()
+    ref = _lm_head_loss(h.double(), w.double(), labels)
+    fxfuse.clear_reports()
+    torch._dynamo.reset()
+    loss = torch.compile(_lm_head_loss, backend="fxfuse")(h, w, labels)
+    (rep,) = fxfuse.reports()
+    assert rep.lowering.startswith("inductor (the lowering check could not read this graph: RuntimeError"), \
+        rep.lowering
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
