@@ -15,5 +15,5 @@ grep -h '^{' "$OUT/fsdp2.log" | python3 -c "
 import json, sys
 for l in sys.stdin:
     r = json.loads(l); p = r.get('profile', {})
-    print(r['impl'], 'lora' if r['lora'] else 'full', r['tokens_per_s_per_gpu'], r['step_ms'], r['peak_gib'], r['first_step_s'],
+    print(r['impl'], 'lora' if r['lora'] else 'full', r['tokens_per_s_per_gpu'], r['step_ms'], r['peak_gib'], r['first_step_s'], r.get('start_to_first_step_s'),
           {k: p.get(k) for k in ('compute_busy_ms', 'idle_ms', 'nccl_exposed_ms')}, p.get('by_kind_ms'))"
