@@ -27,7 +27,8 @@ Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 
 default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
 length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
-too). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+too), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``:
+the first step's time is then inflated, compare it between impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -84,6 +85,14 @@ def first_step_breakdown(timer):
     h, v = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     phases = {k: round(float(x), 2) for k, x in zip(h, v) if k in _PHASES}
     out = dict(compile_phases_s=phases, **(timer.summary() if timer else {}))
+    try:  # each frame Dynamo compiled: which graph the seconds went to (the layer, the loss, the root's pieces)
+        from torch._dynamo.utils import get_compilation_metrics
+
+        out["frames"] = [dict(frame=f"{m.co_name}:{m.co_firstlineno}", frame_s=round(m.entire_frame_compile_time_s or 0, 2),
+                              backend_s=round(m.backend_compile_time_s or 0, 2), ops=m.graph_op_count)
+                         for m in get_compilation_metrics() if m.co_name]
+    except Exception:  # noqa: BLE001
+        pass
     try:
         import fxfuse
 
@@ -187,8 +196,26 @@ def main(impl):
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     setup = t0 - _T_SCRIPT  # imports, process group, model build, sharding, the compile call
+    prof = None
+    if os.environ.get("FSDP_CPROFILE") == "1" and rank == 0:  # the first step's host time by function
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     l0 = step().item()
     first = time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("cumulative").print_stats(120)
+        st.sort_stats("tottime").print_stats(50)
+        name = f"cprofile-{impl}{'-lora' if lora else ''}.txt"
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
+            f.write(buf.getvalue())
     breakdown = first_step_breakdown(timer)
     for _ in range(2):
         step()
