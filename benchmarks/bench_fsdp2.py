@@ -81,10 +81,50 @@ class _TritonJitTimer:
                     triton_jit_kernels={k: [n, round(s, 2)] for k, (n, s) in top[:12]})
 
 
-def first_step_breakdown(timer):
+class _BackendSplit:
+    """Where a compile backend's seconds go: fxfuse's pass manager (passes, fake propagation, validation, report),
+    Inductor's ``compile_fx`` (outermost calls: AOTAutograd, lowering, codegen; the forward graph's, the backward's
+    compile later at the first backward) and fxfuse's AOTAutograd-only lowering, summed over the process's graphs."""
+
+    def __init__(self):
+        self.s = {}
+
+    def _wrap(self, owner, name, key):
+        fn = getattr(owner, name)
+        depth = [0]
+
+        def timed(*a, **k):
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    self.s[key] = self.s.get(key, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, timed)
+
+    def install(self):
+        import torch._inductor.compile_fx as cf
+
+        import fxfuse.backend
+        import fxfuse.pass_manager
+
+        self._wrap(cf, "compile_fx", "compile_fx_s")
+        self._wrap(fxfuse.pass_manager.PassManager, "run", "fxfuse_pass_manager_s")
+        self._wrap(fxfuse.backend, "_aot_eager", "fxfuse_aot_eager_s")
+
+    def summary(self):
+        return {k: round(v, 2) for k, v in self.s.items()}
+
+
+def first_step_breakdown(timer, split=None):
     h, v = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     phases = {k: round(float(x), 2) for k, x in zip(h, v) if k in _PHASES}
     out = dict(compile_phases_s=phases, **(timer.summary() if timer else {}))
+    if split is not None:
+        out["backend_split_s"] = split.summary()
     try:  # each frame Dynamo compiled: which graph the seconds went to (the layer, the loss, the root's pieces)
         from torch._dynamo.utils import get_compilation_metrics
 
@@ -121,6 +161,12 @@ def main(impl):
         except Exception as e:  # noqa: BLE001  (another Triton: the row says why the count is missing)
             print(f"no Triton JIT timing: {type(e).__name__}: {e}", flush=True)
             timer = None
+    split = _BackendSplit()
+    try:
+        split.install()
+    except Exception as e:  # noqa: BLE001
+        print(f"no backend split: {type(e).__name__}: {e}", flush=True)
+        split = None
     small = dev.type == "cpu"
     shape = os.environ.get("FSDP_SHAPE", "1b")
     n_layers = int(os.environ.get("FSDP_LAYERS", 16))
@@ -216,7 +262,7 @@ def main(impl):
         name = f"cprofile-{impl}{'-lora' if lora else ''}.txt"
         with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
             f.write(buf.getvalue())
-    breakdown = first_step_breakdown(timer)
+    breakdown = first_step_breakdown(timer, split)
     for _ in range(2):
         step()
     sync()
