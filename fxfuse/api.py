@@ -16,7 +16,6 @@ import torch
 
 from . import report_log
 from .inductor_hook import installed
-from .lowering import warm_compile_workers
 from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
 from .report import FusionReport, RunReport
 
@@ -47,9 +46,6 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
     ``mode`` together with options (which ``torch.compile`` refuses) is turned into the Inductor settings the
     mode stands for, as the backend would apply them. Without ``model`` it returns a decorator, like
     ``torch.compile``.
-
-    On a machine with a CUDA device, Inductor's compile workers are started here (:func:`fxfuse.lowering.
-    warm_compile_workers`; ``TORCH_WARM_POOL=0`` turns it off), so they are up by the time the first step compiles.
     """
     if "backend" in fxfuse_options:
         raise FxFuseOptionsError("fxfuse.compile() always compiles with backend='fxfuse'; for another backend call "
@@ -75,8 +71,6 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
             mode = None
     kwargs = dict(backend="fxfuse", mode=mode, options=merged or None, dynamic=dynamic, fullgraph=fullgraph,
                   disable=disable)
-    if not disable and FxFuseOptions.parse(merged).compiler != "aot_eager":
-        warm_compile_workers()  # Inductor's compile workers start now, not inside the first step
     if model is None:
         return lambda fn: torch.compile(fn, **kwargs)
     return torch.compile(model, **kwargs)

@@ -44,7 +44,6 @@ import torch
 
 from . import registry
 from .errors import FxFuseError
-from .lowering import warm_compile_workers
 from .options import FXFUSE_KEYS, FxFuseOptions, FxFuseOptionsError, did_you_mean, merge_option_kwargs
 from .pass_manager import PASSES_RAN, PassManager, source_hash
 
@@ -278,7 +277,6 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
         return Installation(_INSTALLED)
     hook = _place("pre_grad_custom_pass", lambda previous: cls(merged, opts, previous=previous))
     _INSTALLED, _PREVIOUS = hook, current
-    warm_compile_workers()  # Inductor's compile workers start now, not inside the first step
     if hasattr(ic, "post_grad_custom_post_pass"):
         post_current = ic.post_grad_custom_post_pass
         fold_cls = _make_fold_class()

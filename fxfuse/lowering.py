@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from .graph_utils import node_val, numel_hint
 
-__all__ = ["reason_to_skip_inductor", "warm_compile_workers"]
+__all__ = ["reason_to_skip_inductor"]
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:
@@ -90,25 +90,3 @@ def reason_to_skip_inductor(gm: fx.GraphModule) -> Optional[str]:
         return None  # nothing of fxfuse's: leave such graphs to Inductor, as without fxfuse
     return (f"nothing left for Inductor after fxfuse's passes ({fused} fxfuse op{'s' if fused > 1 else ''}, views "
             f"and O(tokens) integer ops): run through AOTAutograd as is, no code generation")
-
-
-def warm_compile_workers() -> bool:
-    """Start Inductor's compile workers now, where a compile is announced (``fxfuse.compile``, ``compile_regions``,
-    ``install``), instead of at the first graph's lowering.
-
-    Inductor compiles its Triton kernels in a pool of worker processes, but only once the pool is up: until then
-    (``AsyncCompile.use_process_pool`` is false) each kernel is compiled in the main process, one after another.
-    Inductor wakes the pool when ``compile_fx`` starts, which is already inside the first step, after Dynamo traced the
-    graph; the workers then start while the first graphs are lowered and often come too late for them. Waking them
-    when the user asks for compilation overlaps their start with whatever runs before the first step. This is
-    Inductor's own ``maybe_warm_pool`` (``TORCH_WARM_POOL=0`` turns it off), called only where there is a CUDA device
-    (the pool serves GPU kernels; a CPU-only run would start processes for nothing). Returns whether it was called.
-    """
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # pragma: no cover - a torch without it
-        return False
-    maybe_warm_pool()
-    return True

@@ -183,37 +183,3 @@ def test_a_lowering_check_that_fails_leaves_the_graph_to_inductor(monkeypatch):
     assert rep.lowering.startswith("inductor (the lowering check could not read this graph: RuntimeError"), \
         rep.lowering
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("entry, called", [
-    (lambda: fxfuse.compile(torch.nn.Linear(4, 4)), True),
-    (lambda: fxfuse.compile(torch.nn.Linear(4, 4), compiler="aot_eager"), False),  # no Inductor, no workers
-    (lambda: fxfuse.compile(torch.nn.Linear(4, 4), disable=True), False),
-])
-def test_compile_starts_inductors_workers_where_there_is_a_gpu(monkeypatch, entry, called):
-    """fxfuse.compile (so compile_regions) wakes Inductor's compile workers at the call on a CUDA machine, through
-    Inductor's own maybe_warm_pool; not without CUDA, not for the aot_eager lowering, not when disabled."""
-    import torch._inductor.async_compile as ac
-
-    calls = []
-    monkeypatch.setattr(ac, "maybe_warm_pool", lambda: calls.append(1))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    entry()
-    assert calls == []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    entry()
-    assert calls == ([1] if called else [])
-
-
-def test_install_starts_inductors_workers_where_there_is_a_gpu(monkeypatch):
-    import torch._inductor.async_compile as ac
-
-    calls = []
-    monkeypatch.setattr(ac, "maybe_warm_pool", lambda: calls.append(1))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    fxfuse.uninstall()
-    try:
-        fxfuse.install()
-        assert calls == [1]
-    finally:
-        fxfuse.uninstall()
