@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 8 examples/hf_trainer_fsdp2.py                 # a tiny random Llama, as a smoke run
     torchrun --nproc_per_node 8 examples/hf_trainer_fsdp2.py --model meta-llama/Llama-3.2-1B --steps 100
     torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --steps 12 --regions   # random 1B widths
+    torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --seq 65536 --rows 1 \
+        --gradient-checkpointing                                              # one 64k-token row per GPU
 
 ``fxfuse.install()`` puts fxfuse's passes into Inductor, which ``TrainingArguments(torch_compile=True)`` (accelerate's
 inductor backend) compiles the model with; accelerate applies FSDP2 (``fully_shard`` per decoder layer and root).
@@ -12,7 +14,8 @@ under FSDP2. ``--no-compile`` runs the same thing eagerly (tests compare the two
 and leaves ``torch_compile`` off; ``--inductor`` is accelerate's plain Inductor compile, for comparison. On a
 machine without a GPU it runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused
 passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory;
-``--profile`` (GPU) leaves the last two steps out of the timing and adds where their time went (GPU time by kernel
+``--seq`` / ``--rows`` set the batch, ``--pad`` right-pads rows of random lengths (HF's attention-mask path),
+``--gradient-checkpointing`` is the Trainer's. ``--profile`` (GPU) leaves the last two steps out of the timing and adds where their time went (GPU time by kernel
 kind, NCCL time no compute overlaps, the host's top ops; ``benchmarks/trace_summary.py``).
 """
 import argparse
@@ -35,6 +38,13 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--regions", action="store_true", help="fxfuse.compile_regions instead of torch_compile")
     ap.add_argument("--inductor", action="store_true", help="torch_compile with Inductor alone (no fxfuse)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens a row (default 2048 for --model / --shape 1b, 16 tiny)")
+    ap.add_argument("--rows", type=int, default=2, help="rows per device and step")
+    ap.add_argument("--pad", action="store_true",
+                    help="rows of random lengths (half to all of --seq) right-padded to --seq: attention mask and "
+                         "labels -100 on the padding, as a padding collator makes them")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="TrainingArguments(gradient_checkpointing=True): what long rows (64k) need to fit")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
@@ -48,7 +58,7 @@ def main():
         vocab, seq = model.config.vocab_size, 2048
     elif a.shape == "1b":
         cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=max(8192, a.seq or 0),
                           tie_word_embeddings=True)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
         vocab, seq = cfg.vocab_size, 2048
@@ -57,15 +67,26 @@ def main():
                           num_key_value_heads=2, vocab_size=256)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         vocab, seq = cfg.vocab_size, 16
+    seq = a.seq or seq
     model.config.use_cache = False
     if a.regions:
         fxfuse.compile_regions(model)  # before the Trainer: accelerate's fully_shard keeps the compiled forwards
     layer_cls = type(model.model.layers[0]).__name__
     g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": (t := torch.randint(0, vocab, (seq,), generator=g)), "labels": t.clone()}
-            for _ in range(4 * a.steps * int(os.environ.get("WORLD_SIZE", 1)))]  # your dataset and collator here
+    data = []  # your dataset and collator here
+    for _ in range(a.rows * a.steps * int(os.environ.get("WORLD_SIZE", 1))):
+        t = torch.randint(0, vocab, (seq,), generator=g)
+        row = {"input_ids": t, "labels": t.clone()}
+        if a.pad:  # right-padded from a random length, as a padding collator leaves a row
+            n = int(torch.randint(seq // 2, seq + 1, (), generator=g))
+            row["attention_mask"] = (torch.arange(seq) < n).long()
+            row["input_ids"] = t.masked_fill(row["attention_mask"] == 0, 0)
+            row["labels"] = t.masked_fill(row["attention_mask"] == 0, -100)
+        data.append(row)
+    real_tokens = sum(int(r["attention_mask"].sum()) if a.pad else seq for r in data) / len(data)
     args = TrainingArguments(
-        output_dir=a.out, per_device_train_batch_size=2, max_steps=a.steps, learning_rate=1e-3, logging_steps=1,
+        output_dir=a.out, per_device_train_batch_size=a.rows, max_steps=a.steps,
+        gradient_checkpointing=a.gradient_checkpointing, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
         fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls],
@@ -104,7 +125,9 @@ def main():
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "wrapped": type(trainer.model_wrapped).__name__,
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
-            "tokens_per_s_per_gpu": round(2 * seq / sorted(steps)[len(steps) // 2]) if steps else None,
+            "tokens_per_s_per_gpu": round(a.rows * seq / sorted(steps)[len(steps) // 2]) if steps else None,
+            "seq": seq, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
+            "gradient_checkpointing": a.gradient_checkpointing,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "mode": "eager" if a.no_compile else "regions" if a.regions else "inductor" if a.inductor else "install",
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
