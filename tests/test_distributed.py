@@ -404,7 +404,8 @@ def test_compile_regions_runs_an_fsdp2_lm_heads_hooks_eagerly_around_the_fused_l
 def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(tmp_path):
     """``examples/hf_trainer_fsdp2.py`` as written, under torchrun with 2 ranks: HF Trainer with
     ``torch_compile=True`` (accelerate's Inductor backend) after ``fxfuse.install()``, and with ``--regions``
-    (``fxfuse.compile_regions``), fuse the lm-head loss and log the losses of the same script with ``--no-compile``. On the CPU accelerate applies no FSDP (it shards only
+    (``fxfuse.compile_regions``, under gradient checkpointing), fuse the lm-head loss and log the losses of the same
+    script with ``--no-compile``, on right-padded rows (HF's mask tensor reaches the attention). On the CPU accelerate applies no FSDP (it shards only
     on accelerators) and the ranks run data-parallel; the FSDP2 half of the recipe runs only on GPUs."""
     import subprocess
 
@@ -432,9 +433,13 @@ def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(
         assert p.returncode == 0 and lines, (p.returncode, out[-2000:] + err[-4000:])
         return json.loads(lines[-1][len("RESULT "):])
 
-    got, ref, regions = run(), run("--no-compile"), run("--regions")
+    # padded rows (HF's attention-mask path); --regions also under the Trainer's gradient checkpointing (64k rows)
+    got, ref = run("--pad"), run("--no-compile", "--pad")
+    regions = run("--regions", "--pad", "--gradient-checkpointing")
+    assert ref["padded"] and ref["real_tokens_per_row"] < ref["seq"], ref
     assert "linear_cross_entropy" in got["fused"], got
     assert len(got["losses"]) == 2 and got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (got, ref)
     # --regions: fxfuse.compile_regions before the Trainer, torch_compile off (the faster mode on GPUs)
-    assert regions["mode"] == "regions" and "linear_cross_entropy" in regions["fused"], regions
+    assert regions["mode"] == "regions" and regions["gradient_checkpointing"], regions
+    assert {"linear_cross_entropy", "sdpa_attention"} <= set(regions["fused"]), regions
     assert regions["losses"] == pytest.approx(ref["losses"], rel=1e-5), (regions, ref)
