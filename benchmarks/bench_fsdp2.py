@@ -27,7 +27,8 @@ default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after 
 length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
 too), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``:
-the first step's time is then inflated, compare it between impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+the first step's time is then inflated, compare it between impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the
+lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -127,7 +128,8 @@ def first_step_breakdown(timer, split=None):
     try:  # each frame Dynamo compiled: which graph the seconds went to (the layer, the loss, the root's pieces)
         from torch._dynamo.utils import get_compilation_metrics
 
-        out["frames"] = [dict(frame=f"{m.co_name}:{m.co_firstlineno}", frame_s=round(m.entire_frame_compile_time_s or 0, 2),
+        out["frames"] = [dict(frame=f"{m.co_name}:{m.co_firstlineno}",
+                              frame_s=round(m.entire_frame_compile_time_s or 0, 2),
                               backend_s=round(m.backend_compile_time_s or 0, 2), ops=m.graph_op_count)
                          for m in get_compilation_metrics() if m.co_name]
     except Exception:  # noqa: BLE001

@@ -15,8 +15,9 @@ and leaves ``torch_compile`` off; ``--inductor`` is accelerate's plain Inductor 
 machine without a GPU it runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused
 passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory;
 ``--seq`` / ``--rows`` set the batch, ``--pad`` right-pads rows of random lengths (HF's attention-mask path),
-``--gradient-checkpointing`` is the Trainer's. ``--profile`` (GPU) leaves the last two steps out of the timing and adds where their time went (GPU time by kernel
-kind, NCCL time no compute overlaps, the host's top ops; ``benchmarks/trace_summary.py``).
+``--gradient-checkpointing`` is the Trainer's. ``--profile`` (GPU) leaves the last two steps out of the timing and
+adds where their time went (GPU time by kernel kind, NCCL time no compute overlaps, the host's top ops;
+``benchmarks/trace_summary.py``).
 """
 import argparse
 import json
@@ -38,7 +39,8 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--regions", action="store_true", help="fxfuse.compile_regions instead of torch_compile")
     ap.add_argument("--inductor", action="store_true", help="torch_compile with Inductor alone (no fxfuse)")
-    ap.add_argument("--seq", type=int, default=None, help="tokens a row (default 2048 for --model / --shape 1b, 16 tiny)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="tokens a row (default 2048 for --model / --shape 1b, 16 tiny)")
     ap.add_argument("--rows", type=int, default=2, help="rows per device and step")
     ap.add_argument("--pad", action="store_true",
                     help="rows of random lengths (half to all of --seq) right-padded to --seq: attention mask and "
