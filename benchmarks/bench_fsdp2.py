@@ -280,6 +280,7 @@ def main(impl):
     dt = sorted(times)[len(times) // 2]
     row = dict(impl=impl, passes_off=os.environ.get("FSDP_PASSES_OFF", ""),
                compiler=os.environ.get("FSDP_COMPILER", "auto") if impl == "fxfuse-regions" else None,
+               triton_prewarm=os.environ.get("FXFUSE_TRITON_PREWARM", "1") != "0",
                gpus=dist.get_world_size(),
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),

@@ -15,7 +15,7 @@ and leaves ``torch_compile`` off; ``--inductor`` is accelerate's plain Inductor 
 machine without a GPU it runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused
 passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory;
 ``--seq`` / ``--rows`` set the batch, ``--pad`` right-pads rows of random lengths (HF's attention-mask path),
-``--gradient-checkpointing`` is the Trainer's. ``--profile`` (GPU) leaves the last two steps out of the timing and
+``--gradient-checkpointing`` is the Trainer's, ``--fsdp-activation-checkpointing`` accelerate's. ``--profile`` (GPU) leaves the last two steps out of the timing and
 adds where their time went (GPU time by kernel kind, NCCL time no compute overlaps, the host's top ops;
 ``benchmarks/trace_summary.py``).
 """
@@ -47,6 +47,9 @@ def main():
                          "labels -100 on the padding, as a padding collator makes them")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="TrainingArguments(gradient_checkpointing=True): what long rows (64k) need to fit")
+    ap.add_argument("--fsdp-activation-checkpointing", action="store_true",
+                    help="fsdp_config's activation_checkpointing instead: transformers' advice under FSDP (the "
+                         "Trainer's gradient_checkpointing repeats an all-gather in the backward)")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
@@ -92,7 +95,8 @@ def main():
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
         fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls],
-                                "reshard_after_forward": True})
+                                "reshard_after_forward": True,
+                                "activation_checkpointing": a.fsdp_activation_checkpointing})
     times, profiled = [], {}
     profile_from = a.steps - 2 if a.profile and torch.cuda.is_available() and a.steps >= 6 else None
 
@@ -130,6 +134,7 @@ def main():
             "tokens_per_s_per_gpu": round(a.rows * seq / sorted(steps)[len(steps) // 2]) if steps else None,
             "seq": seq, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
             "gradient_checkpointing": a.gradient_checkpointing,
+            "fsdp_activation_checkpointing": a.fsdp_activation_checkpointing,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "mode": "eager" if a.no_compile else "regions" if a.regions else "inductor" if a.inductor else "install",
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -170,3 +170,71 @@ def test_peft_model_compiled_new_length_every_batch(monkeypatch):
     for L in lengths:
         step(model, plain, torch.randint(0, 128, (2, L)))
     assert graphs == torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_forward_prewarms_the_backward_grad_x_launch(monkeypatch):
+    """The first forward of a layout asks for the specialisation its backward's grad x will launch (compiled on a
+    background thread on a GPU; the interpreter compiles nothing): the launch built from the forward's meta
+    stand-ins has the same specialisation key as the backward's real launch, for a single adapter and for q/k/v
+    siblings (rank sum 24: a wider low-rank tile, another kernel); a second forward of the layout asks for
+    nothing."""
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    monkeypatch.setattr(K, "_grad_x_prewarmed", set())
+    asked, launched = [], []
+    real = K.lowrank_gemm
+
+    def prewarm(a, b, v, u, bias=None, b_kn=False, u_kn=False, device=None):
+        assert a.is_meta and v.is_meta and device == torch.device("cpu")
+        assert G.lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device)
+        base = torch.empty(64)
+        c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]), device="meta")
+        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, device, base)
+        asked.append(G._specialisation(device, a.dtype, args, consts))
+
+    def launch(a, b, v, u, bias=None, b_kn=False, u_kn=False):
+        if b_kn:
+            c = torch.empty((a.shape[0], b.shape[1]))
+            _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
+            launched.append(G._specialisation(a.device, a.dtype, args, consts))
+        return real(a, b, v, u, bias, b_kn=b_kn, u_kn=u_kn)
+
+    monkeypatch.setattr(K, "lowrank_gemm_prewarm", prewarm)
+    monkeypatch.setattr(K, "lowrank_gemm", launch)
+    g = torch.Generator().manual_seed(3)
+    N, din, r = 40, 32, 8
+    seeds = K.draw_seeds(3, "cpu")
+    for douts in ((24,), (24, 8, 8)):
+        n = len(douts)
+        x = torch.randn(N, din, generator=g)
+        Ws = [torch.randn(d, din, generator=g) for d in douts]
+        A = torch.randn(n * r, din, generator=g)
+        Bs = [torch.randn(d, r, generator=g) for d in douts]
+        adapters = ([r] * n, [1] * n, [2.0] * n, [0.0] * n)
+        for _ in range(2):  # the second forward of the layout asks for nothing
+            ys, V = K.lora_forward(x, Ws, [None] * n, A, Bs, seeds[:n], *adapters)
+            K.lora_backward([torch.randn_like(y) for y in ys], x, Ws, A, Bs, V, seeds[:n], *adapters,
+                            True, False, False, False, False)
+    assert len(asked) == 2 and len(launched) == 4
+    assert asked == launched[::2]
+    assert [dict(k[2])["RP"] for k in asked] == [16, 32]
+
+
+def test_launch_waits_for_a_warm_up_of_its_specialisation():
+    """A launch whose specialisation a background warm-up is still compiling waits for that compile (instead of
+    compiling the kernel a second time beside it) and then runs."""
+    import threading
+
+    a, b, v, u, _ = _operands(40, 24, 32, 4, False, False, False)
+    c = torch.empty(40, 24)
+    _, args, consts = G._launch_args(a, b, v, u, c, None, False, False, a.device)
+    key = G._specialisation(a.device, a.dtype, args, consts)
+    fut = G.Future()
+    G._pending[key] = fut
+    try:
+        threading.Timer(0.3, fut.set_result, (None,)).start()
+        out = G.lowrank_gemm(a, b, v, u)
+        assert fut.done()
+    finally:
+        G._pending.pop(key, None)
+    ref = G.lowrank_gemm_reference(a, b, v, u)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

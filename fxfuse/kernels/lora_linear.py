@@ -45,7 +45,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .lowrank_gemm import lowrank_gemm, lowrank_gemm_supported
+from .lowrank_gemm import PREWARM as _PREWARM_LOWRANK, lowrank_gemm, lowrank_gemm_prewarm, lowrank_gemm_supported
 from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tl, triton, use_triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
@@ -455,6 +455,24 @@ def _down_dropout(x, A_run, V_run, seeds_run, na, r, s, p):
             V_run[s0:e, k * r:(k + 1) * r] = (xd @ A_k.t()) * (s * inv)
 
 
+_grad_x_prewarmed: set = set()
+
+
+def _prewarm_grad_x(x, W0, A):
+    """Start compiling the low-rank GEMM specialisation this call's backward will launch for grad x
+    (``lora_backward``: ``gy_0 @ W_0 + gV @ A`` with gy_0 [N, dout_0] and gV [N, R] fresh and contiguous), so its
+    Triton JIT overlaps the rest of the forward instead of stalling the first backward (``lowrank_gemm.py``). Once
+    per layout: the set check is all a later call pays."""
+    N = x.shape[0]
+    key = (x.device, x.dtype, N % 16 == 0, tuple(W0.shape), W0.stride(), W0.dtype, A.shape[0], A.dtype)
+    if key in _grad_x_prewarmed:
+        return
+    _grad_x_prewarmed.add(key)
+    meta = lambda *shape: torch.empty(shape, dtype=x.dtype, device="meta")  # noqa: E731
+    Ac = A if A.dtype == x.dtype else meta(*A.shape)  # the backward's _compute_dtype(A, x.dtype)
+    lowrank_gemm_prewarm(meta(N, W0.shape[0]), W0, meta(N, A.shape[0]), Ac, b_kn=True, u_kn=True, device=x.device)
+
+
 def lora_forward(x, weights, biases, A, Bs, seeds, ranks, counts, scalings, dropout_p):
     """x [N, din] -> ([y_j [N, dout_j] per projection], V [N, R]).
 
@@ -483,6 +501,8 @@ def lora_forward(x, weights, biases, A, Bs, seeds, ranks, counts, scalings, drop
         for i, na, r, s, p in _runs(ranks, scalings, dropout_p):
             o = offs[i]
             _down_dropout(x, Ak[o:o + na * r], V[:, o:o + na * r], seeds[i:i + na], na, r, s, p)
+    if _PREWARM_LOWRANK and use_triton(x, FORCE_TRITON) and all(p == 0 for p in dropout_p):
+        _prewarm_grad_x(x, weights[0], A)
     ys = []
     for W, b, B, cols in zip(weights, biases, Bs, _projection_slices(counts, ranks)):
         Bc = _compute_dtype(B, x.dtype)

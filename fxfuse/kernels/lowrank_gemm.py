@@ -21,15 +21,19 @@ setting from a sweep on an H100 (``benchmarks/experiments/lora_lowrank_gemm.py``
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Optional
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict, Optional
 
 import torch
 
-from .triton_support import (HAVE_TRITON, dot_pad, interpreting, sm_count, smem_limit, tile_addressable,
-                             tile_descriptor, tl, triton)
+from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpreting, sm_count, smem_limit,
+                             tile_addressable, tl, triton)
 
-__all__ = ["lowrank_gemm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
+__all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
+log = logging.getLogger(__name__)
 
 CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8)
 # The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
@@ -79,13 +83,13 @@ if HAVE_TRITON:
             c_desc.store([om, on], acc.to(c_desc.dtype))
 
 
-def _config(t: torch.Tensor, rank: int) -> Optional[dict]:
-    """The launch setting for ``t``'s device and this rank, or None if its tiles do not fit shared memory. The
+def _config(device: torch.device, element_size: int, rank: int) -> Optional[dict]:
+    """The launch setting for ``device`` and this rank, or None if its tiles do not fit shared memory. The
     software pipeline keeps ``num_stages`` A and B tiles; the low-rank tiles and the output tile come on top (at
     rank 32 three stages need 232 KiB, past an H100's 227 KiB), so wider ranks take fewer stages."""
-    if interpreting() or not t.is_cuda:
+    if interpreting() or device.type != "cuda":
         return INTERPRETER_CONFIG
-    return config_for(t.element_size(), rank, smem_limit(t))
+    return config_for(element_size, rank, smem_limit(device))
 
 
 def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
@@ -108,28 +112,106 @@ def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
             (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
 
 
-def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False) -> bool:
+def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False,
+                           device: Optional[torch.device] = None) -> bool:
     """Whether :func:`lowrank_gemm` can run these operands: Triton on CUDA sm_90+ with 16-bit operands of one
-    dtype (or the interpreter, fp32 only), rank <= 64, every operand addressable by the copy engine (16-byte aligned rows and
-    base), the output's row too."""
+    dtype (or the interpreter, fp32 only), rank <= 64, every operand addressable by the copy engine (16-byte aligned
+    rows and base), the output's row too. ``device``: where operands given as meta tensors will live."""
     if not (HAVE_TRITON and ENABLED) or v.shape[1] > 64 or v.shape[1] == 0 or a.shape[0] == 0:
         return False
+    device = a.device if device is None else device
     dt = a.dtype
     if any(t.dtype != dt for t in (b, v, u)) or (bias is not None and bias.dtype != dt):
         return False
-    if a.is_cuda:
+    if device.type == "cuda":
         if interpreting() or dt not in (torch.bfloat16, torch.float16):
             return False
-        if torch.cuda.get_device_capability(a.device)[0] < 9:
+        if torch.cuda.get_device_capability(device)[0] < 9:
             return False
     elif not interpreting() or dt != torch.float32:  # the interpreter (numpy) has no bf16
         return False
     n = b.shape[1] if b_kn else b.shape[0]
     if (n * a.element_size()) % 16:  # the output's rows
         return False
-    cfg = _config(a, v.shape[1])
+    cfg = _config(device, a.element_size(), v.shape[1])
     # checked without building the descriptors: this runs for every projection of every call
     return cfg is not None and all(tile_addressable(t, blk) for t, blk in _tiles(a, b, v, u, None, b_kn, u_kn, cfg))
+
+
+def _launch_args(a, b, v, u, c, bias, b_kn: bool, u_kn: bool, device: torch.device, base=None):
+    """(grid, positional args, constexprs) of one launch. ``base``: a tensor the descriptors and the bias pointer
+    stand on instead of the operands, which are then only read for their shapes and strides (a warm-up compile
+    from meta tensors); a launch's Triton specialisation depends on dtypes, tile shapes, constexprs, the sizes'
+    divisibility by 16 and pointer alignment, none of which the stand-in changes."""
+    M, K = a.shape
+    N = c.shape[1]
+    rank = v.shape[1]
+    cfg = dict(_config(device, a.element_size(), rank))
+    descs = [TensorDescriptor(t if base is None else base, list(t.shape), list(t.stride()), list(blk))
+             for t, blk in _tiles(a, b, v, u, c, b_kn, u_kn, cfg)]
+    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
+    programs = min(tiles, sm_count(device)) if PERSISTENT else tiles
+    bias_arg = bias if bias is not None else (a if base is None else base)
+    args = (*descs, bias_arg, M, N, K)
+    consts = dict(RP=dot_pad(rank), B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **cfg)
+    return (programs,), args, consts
+
+
+def _specialisation(device: torch.device, dtype, args, consts) -> tuple:
+    """What Triton compiles a new kernel for, as far as this launcher varies it: the constexprs, the dtype and the
+    divisibility of M, N, K by 16. A warm-up started for one launch is waited on by every launch of the same key."""
+    M, N, K = args[-3:]
+    return (device.index, dtype, tuple(sorted(consts.items())), M % 16 == 0, N % 16 == 0, K % 16 == 0)
+
+
+# Warm-up compiles in the background. A kernel specialisation JIT-compiles at its first launch (~0.8 s each for
+# this kernel on an H100 host), one after another: LoRA's first backward used to compile three (one per rank sum of
+# the sibling groups) while the GPU waited. The first forward of a layer already knows the shapes its backward's
+# grad x will take (``lora_linear.py``), so it asks for that specialisation here; LLVM and ptxas release the GIL,
+# so the compile overlaps the rest of the forward and the backward graph's own compile. A launch whose
+# specialisation is still compiling waits for it rather than compiling it a second time.
+# FXFUSE_TRITON_PREWARM=0 turns it off (benchmarks measure both).
+PREWARM = os.environ.get("FXFUSE_TRITON_PREWARM", "1") != "0"
+_pending: Dict[tuple, Future] = {}
+_started: set = set()
+_pool: Optional[ThreadPoolExecutor] = None
+_lock = threading.Lock()
+
+
+def _compile_in_background(device: torch.device, grid, args, consts) -> None:
+    try:
+        with torch.cuda.device(device):  # Triton keys its kernel cache by the thread's current device
+            _lowrank_gemm_kernel.warmup(*args, grid=grid, **consts)
+    except Exception as e:  # the launch compiles it again and reports a real failure there
+        log.debug("lowrank_gemm warm-up failed: %r", e)
+
+
+def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False,
+                         device: Optional[torch.device] = None) -> Optional[Future]:
+    """Start compiling, on a background thread, the kernel :func:`lowrank_gemm` will launch for operands laid out
+    like these on ``device`` (meta tensors welcome: only shapes, strides and dtypes are read). Returns the compile's
+    future, or None where there is nothing to start: prewarming off, not a CUDA launch, operands the kernel
+    declines, or this specialisation already started in this process."""
+    device = a.device if device is None else device
+    if not PREWARM or device.type != "cuda" or not lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device):
+        return None
+    M = a.shape[0]
+    N = b.shape[1] if b_kn else b.shape[0]
+    base = torch.empty(64, dtype=a.dtype, device=device)  # 128 bytes to stand on, aligned like any allocation
+    c = torch.empty((M, N), dtype=a.dtype, device="meta")
+    grid, args, consts = _launch_args(a, b, v, u, c, bias if bias is None else base, b_kn, u_kn, device, base)
+    key = _specialisation(device, a.dtype, args, consts)
+    global _pool
+    with _lock:
+        if key in _started:
+            return None
+        _started.add(key)
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fxfuse-triton-warmup")
+        fut = _pool.submit(_compile_in_background, device, grid, args, consts)
+        _pending[key] = fut
+    fut.add_done_callback(lambda f, key=key: _pending.pop(key, None))
+    return fut
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
@@ -139,13 +221,12 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    cfg = dict(_config(a, v.shape[1]))
-    a_d, b_d, v_d, u_d, c_d = (tile_descriptor(t, blk) for t, blk in _tiles(a, b, v, u, c, b_kn, u_kn, cfg))
-    tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
-    programs = min(tiles, sm_count(a)) if PERSISTENT else tiles
-    _lowrank_gemm_kernel[(programs,)](
-        a_d, b_d, v_d, u_d, c_d, bias if bias is not None else a, M, N, K, RP=dot_pad(v.shape[1]),
-        B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **cfg)
+    grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
+    if _pending:  # a warm-up of this specialisation still compiling: wait for it instead of compiling it twice
+        fut = _pending.get(_specialisation(a.device, a.dtype, args, consts))
+        if fut is not None:
+            fut.result()
+    _lowrank_gemm_kernel[grid](*args, **consts)
     return c
 
 

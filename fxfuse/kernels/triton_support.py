@@ -29,7 +29,7 @@ except Exception:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp",
-           "tile_descriptor", "tile_addressable", "sm_count", "smem_limit", "dot_pad"]
+           "tile_descriptor", "tile_addressable", "sm_count", "smem_limit", "dot_pad", "TensorDescriptor"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,18 +37,23 @@ def _device_properties(device_index: int):
     return torch.cuda.get_device_properties(device_index)
 
 
+def _device_of(t) -> torch.device:
+    return t if isinstance(t, torch.device) else t.device
+
+
 def _properties_of(t):
-    return _device_properties(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    d = _device_of(t)
+    return _device_properties(d.index if d.index is not None else torch.cuda.current_device())
 
 
 def sm_count(t) -> int:
-    """Multiprocessors of CUDA tensor ``t``'s device (persistent grids size themselves by it); 4 elsewhere (the
-    interpreter runs programs one after another)."""
-    return _properties_of(t).multi_processor_count if t.is_cuda else 4
+    """Multiprocessors of CUDA tensor (or device) ``t``'s device (persistent grids size themselves by it); 4
+    elsewhere (the interpreter runs programs one after another)."""
+    return _properties_of(t).multi_processor_count if _device_of(t).type == "cuda" else 4
 
 
 def smem_limit(t) -> int:
-    """Bytes of shared memory one program may use on CUDA tensor ``t``'s device (opt-in maximum)."""
+    """Bytes of shared memory one program may use on CUDA tensor (or device) ``t``'s device (opt-in maximum)."""
     return _properties_of(t).shared_memory_per_block_optin
 
 
