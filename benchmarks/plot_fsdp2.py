@@ -27,21 +27,26 @@ def main():
     rows = [json.loads(x) for x in open(a.rows)]
     rows = [r for r in rows if r.get("call") == a.call and "lora" in r and not r.get("padded")  # not the anchor's
             and r.get("rows", 2) == 2 and not r.get("passes_off")]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.5))
     for ax, lora in zip(axes, (False, True)):
         sel = sorted((r for r in rows if r["lora"] == lora),
                      key=lambda r: (ORDER.index(r["impl"]), bool(r.get("tail_unit"))))
         # FSDP_TAIL=1 rows: accelerate's units (embeddings; [final norm, lm-head])
-        names = [r["impl"] + (", accelerate units" if r.get("tail_unit") else "") for r in sel]
+        names = [r["impl"] + (", accelerate units" if r.get("tail_unit") else "")
+                 + (", no JIT warm-up" if r.get("triton_prewarm") is False else "")
+                 + (f", run {sum(q['impl'] == r['impl'] for q in sel[:k + 1])}"
+                    if sum(q["impl"] == r["impl"] for q in sel) > 1 else "")
+                 for k, r in enumerate(sel)]
         tps = [r["tokens_per_s_per_gpu"] / 1e3 for r in sel]
         peak = [r["peak_gib"] for r in sel]
         colors = ["tab:green" if n.startswith("fxfuse") else "tab:gray" for n in names]
         bars = ax.barh(names, tps, color=colors)
-        for b, p in zip(bars, peak):
-            ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {b.get_width():.1f}k, {p:.1f} GiB",
-                    va="center", fontsize=8)
-        ax.set_xlim(0, max(tps) * 1.45)
-        ax.set_xlabel("tokens/s per GPU (thousands); label: peak GiB")
+        for b, p, r in zip(bars, peak, sel):
+            ax.text(b.get_width(), b.get_y() + b.get_height() / 2,
+                    f" {b.get_width():.1f}k, {p:.1f} GiB, 1st step {r['first_step_s']:.1f} s", va="center",
+                    fontsize=8)
+        ax.set_xlim(0, max(tps) * 2.0)
+        ax.set_xlabel("tokens/s per GPU (thousands); label: peak GiB, first step (cold caches)")
         ax.set_title(("LoRA r16" if lora else "full fine-tune") + f", {sel[0]['device'] if sel else ''} x2")
     fig.suptitle("FSDP2, Llama-3-8B widths x16 layers, 2x4096 tokens per GPU (bench_fsdp2.py, one device call)",
                  fontsize=10)
