@@ -15,6 +15,8 @@ start)
         >"$DETACHED/queue.log" 2>&1 < /dev/null &
     echo "started: pid $!" ;;
 wait)
+    # A fresh machine (the held one was released between calls) has no queue: say so at once, not after SECONDS.
+    if [ ! -d "$DETACHED" ]; then echo "no queue in $DETACHED: this machine did not start one" >&2; exit 3; fi
     end=$((SECONDS + ${2:-500}))
     while [ ! -f "$DETACHED/done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 10; done
     if [ -f "$DETACHED/done" ]; then echo "queue done: rc $(cat "$DETACHED/done")"; else echo "queue still running"; fi

@@ -3,6 +3,8 @@ float64, through the Triton interpreter on CPU: every operand layout, ragged siz
 bias; the LoRA op's forward and its dropout-free grad x taking it; the cases it must decline."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -238,3 +240,20 @@ def test_launch_waits_for_a_warm_up_of_its_specialisation():
         G._pending.pop(key, None)
     ref = G.lowrank_gemm_reference(a, b, v, u)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_forked_child_forgets_the_parents_warm_ups(monkeypatch):
+    """A forked child (a DataLoader worker) has none of the parent's warm-up threads: its bookkeeping starts empty,
+    so a launch there never waits on a compile that no thread will finish; the parent keeps its own."""
+    monkeypatch.setitem(G._pending, ("k",), G.Future())
+    G._started.add(("k",))
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if not G._pending and not G._started and G._pool is None else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert ("k",) in G._pending and ("k",) in G._started
+    finally:
+        G._started.discard(("k",))

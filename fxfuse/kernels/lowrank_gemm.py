@@ -178,6 +178,17 @@ _pool: Optional[ThreadPoolExecutor] = None
 _lock = threading.Lock()
 
 
+def _forget_after_fork() -> None:
+    """A forked child (a DataLoader worker) has none of the parent's threads: start over rather than wait on them."""
+    global _pool, _lock
+    _pool, _lock = None, threading.Lock()
+    _pending.clear()
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def _compile_in_background(device: torch.device, grid, args, consts) -> None:
     try:
         with torch.cuda.device(device):  # Triton keys its kernel cache by the thread's current device
