@@ -186,7 +186,8 @@ def _forget_after_fork() -> None:
     _started.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _compile_in_background(device: torch.device, grid, args, consts) -> None:
