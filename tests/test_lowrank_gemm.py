@@ -4,10 +4,12 @@ bias; the LoRA op's forward and its dropout-free grad x taking it; the cases it 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 
 import pytest
 import torch
 
+from fxfuse.kernels import background_compile as BC
 from fxfuse.kernels import lora_linear as K
 from fxfuse.kernels import lowrank_gemm as G
 from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting
@@ -229,15 +231,15 @@ def test_launch_waits_for_a_warm_up_of_its_specialisation():
     a, b, v, u, _ = _operands(40, 24, 32, 4, False, False, False)
     c = torch.empty(40, 24)
     _, args, consts = G._launch_args(a, b, v, u, c, None, False, False, a.device)
-    key = G._specialisation(a.device, a.dtype, args, consts)
-    fut = G.Future()
-    G._pending[key] = fut
+    key = (G._lowrank_gemm_kernel, G._specialisation(a.device, a.dtype, args, consts))
+    fut = Future()
+    BC._pending[key] = fut
     try:
         threading.Timer(0.3, fut.set_result, (None,)).start()
         out = G.lowrank_gemm(a, b, v, u)
         assert fut.done()
     finally:
-        G._pending.pop(key, None)
+        BC._pending.pop(key, None)
     ref = G.lowrank_gemm_reference(a, b, v, u)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
@@ -246,14 +248,14 @@ def test_launch_waits_for_a_warm_up_of_its_specialisation():
 def test_forked_child_forgets_the_parents_warm_ups(monkeypatch):
     """A forked child (a DataLoader worker) has none of the parent's warm-up threads: its bookkeeping starts empty,
     so a launch there never waits on a compile that no thread will finish; the parent keeps its own."""
-    monkeypatch.setitem(G._pending, ("k",), G.Future())
-    G._started.add(("k",))
+    monkeypatch.setitem(BC._pending, ("k",), Future())
+    BC._started.add(("k",))
     try:
         pid = os.fork()
         if pid == 0:
-            os._exit(0 if not G._pending and not G._started and G._pool is None else 1)
+            os._exit(0 if not BC._pending and not BC._started and BC._pool is None else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert ("k",) in G._pending and ("k",) in G._started
+        assert ("k",) in BC._pending and ("k",) in BC._started
     finally:
-        G._started.discard(("k",))
+        BC._started.discard(("k",))

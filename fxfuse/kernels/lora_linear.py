@@ -45,7 +45,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .lowrank_gemm import PREWARM as _PREWARM_LOWRANK, lowrank_gemm, lowrank_gemm_prewarm, lowrank_gemm_supported
+from . import background_compile
+from .lowrank_gemm import lowrank_gemm, lowrank_gemm_prewarm, lowrank_gemm_supported
 from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tl, triton, use_triton
 
 __all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
@@ -461,7 +462,7 @@ _grad_x_prewarmed: set = set()
 def _prewarm_grad_x(x, W0, A):
     """Start compiling the low-rank GEMM specialisation this call's backward will launch for grad x
     (``lora_backward``: ``gy_0 @ W_0 + gV @ A`` with gy_0 [N, dout_0] and gV [N, R] fresh and contiguous), so its
-    Triton JIT overlaps the rest of the forward instead of stalling the first backward (``lowrank_gemm.py``). Once
+    Triton JIT overlaps the rest of the forward instead of stalling the first backward (``background_compile.py``). Once
     per layout: the set check is all a later call pays."""
     N = x.shape[0]
     key = (x.device, x.dtype, N % 16 == 0, tuple(W0.shape), W0.stride(), W0.dtype, A.shape[0], A.dtype)
@@ -501,7 +502,7 @@ def lora_forward(x, weights, biases, A, Bs, seeds, ranks, counts, scalings, drop
         for i, na, r, s, p in _runs(ranks, scalings, dropout_p):
             o = offs[i]
             _down_dropout(x, Ak[o:o + na * r], V[:, o:o + na * r], seeds[i:i + na], na, r, s, p)
-    if _PREWARM_LOWRANK and use_triton(x, FORCE_TRITON) and all(p == 0 for p in dropout_p):
+    if background_compile.ENABLED and use_triton(x, FORCE_TRITON) and all(p == 0 for p in dropout_p):
         _prewarm_grad_x(x, weights[0], A)
     ys = []
     for W, b, B, cols in zip(weights, biases, Bs, _projection_slices(counts, ranks)):

@@ -21,19 +21,17 @@ setting from a sweep on an H100 (``benchmarks/experiments/lora_lowrank_gemm.py``
 """
 from __future__ import annotations
 
-import logging
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, Optional
+from concurrent.futures import Future
+from typing import Optional
 
 import torch
 
+from . import background_compile
 from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpreting, sm_count, smem_limit,
                              tile_addressable, tl, triton)
 
 __all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
-log = logging.getLogger(__name__)
 
 CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8)
 # The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
@@ -164,40 +162,6 @@ def _specialisation(device: torch.device, dtype, args, consts) -> tuple:
     return (device.index, dtype, tuple(sorted(consts.items())), M % 16 == 0, N % 16 == 0, K % 16 == 0)
 
 
-# Warm-up compiles in the background. A kernel specialisation JIT-compiles at its first launch (~0.8 s each for
-# this kernel on an H100 host), one after another: LoRA's first backward used to compile three (one per rank sum of
-# the sibling groups) while the GPU waited. The first forward of a layer already knows the shapes its backward's
-# grad x will take (``lora_linear.py``), so it asks for that specialisation here; LLVM and ptxas release the GIL,
-# so the compile overlaps the rest of the forward and the backward graph's own compile. A launch whose
-# specialisation is still compiling waits for it rather than compiling it a second time.
-# FXFUSE_TRITON_PREWARM=0 turns it off (benchmarks measure both).
-PREWARM = os.environ.get("FXFUSE_TRITON_PREWARM", "1") != "0"
-_pending: Dict[tuple, Future] = {}
-_started: set = set()
-_pool: Optional[ThreadPoolExecutor] = None
-_lock = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    """A forked child (a DataLoader worker) has none of the parent's threads: start over rather than wait on them."""
-    global _pool, _lock
-    _pool, _lock = None, threading.Lock()
-    _pending.clear()
-    _started.clear()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _compile_in_background(device: torch.device, grid, args, consts) -> None:
-    try:
-        with torch.cuda.device(device):  # Triton keys its kernel cache by the thread's current device
-            _lowrank_gemm_kernel.warmup(*args, grid=grid, **consts)
-    except Exception as e:  # the launch compiles it again and reports a real failure there
-        log.debug("lowrank_gemm warm-up failed: %r", e)
-
-
 def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False,
                          device: Optional[torch.device] = None) -> Optional[Future]:
     """Start compiling, on a background thread, the kernel :func:`lowrank_gemm` will launch for operands laid out
@@ -205,25 +169,16 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
     future, or None where there is nothing to start: prewarming off, not a CUDA launch, operands the kernel
     declines, or this specialisation already started in this process."""
     device = a.device if device is None else device
-    if not PREWARM or device.type != "cuda" or not lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device):
+    if not background_compile.ENABLED or device.type != "cuda" or \
+            not lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device):
         return None
     M = a.shape[0]
     N = b.shape[1] if b_kn else b.shape[0]
     base = torch.empty(64, dtype=a.dtype, device=device)  # 128 bytes to stand on, aligned like any allocation
     c = torch.empty((M, N), dtype=a.dtype, device="meta")
     grid, args, consts = _launch_args(a, b, v, u, c, bias if bias is None else base, b_kn, u_kn, device, base)
-    key = _specialisation(device, a.dtype, args, consts)
-    global _pool
-    with _lock:
-        if key in _started:
-            return None
-        _started.add(key)
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fxfuse-triton-warmup")
-        fut = _pool.submit(_compile_in_background, device, grid, args, consts)
-        _pending[key] = fut
-    fut.add_done_callback(lambda f, key=key: _pending.pop(key, None))
-    return fut
+    return background_compile.start(_lowrank_gemm_kernel, _specialisation(device, a.dtype, args, consts), device,
+                                    grid, args, consts)
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
@@ -234,10 +189,8 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
     grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
-    if _pending:  # a warm-up of this specialisation still compiling: wait for it instead of compiling it twice
-        fut = _pending.get(_specialisation(a.device, a.dtype, args, consts))
-        if fut is not None:
-            fut.result()
+    if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
+        background_compile.wait_for(_lowrank_gemm_kernel, _specialisation(a.device, a.dtype, args, consts))
     _lowrank_gemm_kernel[grid](*args, **consts)
     return c
 
