@@ -26,7 +26,9 @@ Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 
 default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
 length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
-too), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``:
+too), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
+graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
+switch's seconds, the cache hits at the switch), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``:
 the first step's time is then inflated, compare it between impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the
 lm-head pass off (the anchor probe's third row).
 """
@@ -207,6 +209,7 @@ def main(impl):
         fully_shard([base.model.norm, base.get_output_embeddings()], reshard_after_forward=False, **kw)
     fully_shard(model, **kw)
     fwd = model
+    background = os.environ.get("FSDP_BACKGROUND") == "1" and impl == "fxfuse-regions"
     if impl == "inductor":
         fwd = torch.compile(model)
     elif impl == "fxfuse":
@@ -218,6 +221,8 @@ def main(impl):
         kw = dict(passes={p: False for p in off}) if off else {}
         if os.environ.get("FSDP_COMPILER"):  # fxfuse's compiler option: auto (default), inductor, aot_eager
             kw["compiler"] = os.environ["FSDP_COMPILER"]
+        if background:  # Inductor on a background thread, AOTAutograd alone until it is ready
+            kw["background_compile"] = True
         fwd = fxfuse.compile_regions(model, **kw)
     elif impl == "fxfuse-regions-nopass":
         fwd = fxfuse.compile_regions(model, passes=[])
@@ -264,9 +269,21 @@ def main(impl):
         with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
             f.write(buf.getvalue())
     breakdown = first_step_breakdown(timer, split)
+    early_ms, to_compiled = [], None
+    if background:  # steps until every graph ran Inductor's version in a step (each step synced by its loss)
+        while len(early_ms) < int(os.environ.get("FSDP_BACKGROUND_MAX_STEPS", 80)):
+            before = {j.name: j.compiled_calls for j in fxfuse.background_compiles()}
+            t1 = time.perf_counter()
+            step().item()
+            early_ms.append(round((time.perf_counter() - t1) * 1e3, 1))
+            if all(j.state == "switched" and j.compiled_calls > before.get(j.name, 0)
+                   for j in fxfuse.background_compiles()):
+                to_compiled = time.perf_counter() - t0  # the end of the first step every graph ran compiled
+                break
     for _ in range(2):
         step()
     sync()
+    peak_early = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     n = int(os.environ.get("FSDP_STEPS", 8)) if not small else 2
@@ -290,7 +307,15 @@ def main(impl):
                caches="kept" if os.environ.get("KEEP_CACHES") == "1" else "cleared",
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
-               rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown)
+               rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown,
+               peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None)
+    if background:  # the steps between the first and the first all-compiled one, and each graph's compile
+        row.update(background_compile=True, early_steps_ms=early_ms,
+                   to_compiled_s=round(to_compiled, 1) if to_compiled is not None else None,
+                   background_jobs=[dict(name=j.name, state=j.state, child_s=round(j.child_seconds, 2),
+                                         switch_s=round(j.switch_seconds, 2), cache=j.cache_hits,
+                                         eager_calls=j.eager_calls, error=j.error[:300])
+                                    for j in fxfuse.background_compiles()])
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
 
@@ -317,7 +342,7 @@ def main(impl):
         for r in fxfuse.reports():
             for rec in r.fused:
                 fused[rec.pass_name] = fused.get(rec.pass_name, 0) + 1
-        row.update(fused=fused, graphs=len(fxfuse.reports()), lowering=[r.lowering[:20] for r in fxfuse.reports()],
+        row.update(fused=fused, graphs=len(fxfuse.reports()), lowering=[r.lowering[:300] for r in fxfuse.reports()],
                    rolled_back=[f"{r.graph_name}: {x.pass_name}: {x.reason[:100]}" for r in fxfuse.reports()
                                 for x in r.rolled_back])
     if rank == 0:

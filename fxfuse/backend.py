@@ -17,6 +17,8 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from .background_inductor import (CannotCompileInBackground, compile_in_background,
+                                  reason_not_to_compile_in_background)
 from .errors import FxFuseError, raised_through_dynamo
 from .graph_utils import node_val
 from .lowering import reason_to_skip_inductor
@@ -75,17 +77,29 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
             failed = f" (the lowering check could not read this graph: {type(e).__name__}: {str(e)[:160]})"
     rep.lowering = (f"aot_eager: {skip}" if skip else "aot_eager" if opts.compiler == "aot_eager"
                     else "inductor" + failed)
+    compiled = None
     if opts.compiler == "aot_eager" or skip:
         compiled = _aot_eager(gm, example_inputs)
-    else:
+    elif opts.background_compile:  # AOTAutograd alone until a compile process has filled Inductor's caches
+        why_not = reason_not_to_compile_in_background(gm, example_inputs)
+        if why_not is None:
+            try:
+                compiled = compile_in_background(gm, example_inputs, patches, _aot_eager, name=rep.graph_name)
+                rep.lowering = "inductor from a background compile (AOTAutograd alone until it is cached)"
+            except CannotCompileInBackground as e:
+                why_not = str(e)
+        if why_not is not None:
+            rep.lowering = f"inductor, at once: {why_not}"
+    if compiled is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return wrap_site_errors(wrap_substitutions(compiled, subs), sites, gm)
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """AOTAutograd with no compiler (``compiler="aot_eager"``, and graphs ``"auto"`` finds nothing in for Inductor):
-    the partitioned graphs run as they are, after the post-partition steps fxfuse needs in every mode (the host-offload
-    round trips folded; fxfuse's own in-place ops allowed to write in place, :func:`_mutate_in_place`)."""
+    """AOTAutograd with no compiler (``compiler="aot_eager"``, graphs ``"auto"`` finds nothing in for Inductor, and
+    the first calls of a graph compiled in the background): the partitioned graphs run as they are, after the
+    post-partition steps fxfuse needs in every mode (the host-offload round trips folded; fxfuse's own in-place ops
+    allowed to write in place, :func:`_mutate_in_place`)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.debugging import aot_eager
 

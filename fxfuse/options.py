@@ -43,6 +43,10 @@ FXFUSE_KEYS = {
     "plan_tokens": "int: the most tokens a step (batch x length) will hold; where a graph is compiled with a "
                    "symbolic length, sequence_tiling and checkpoint_offload decide their auto modes at this many "
                    "tokens instead of the compile's example length (default: the example length)",
+    "background_compile": "bool: run each graph through AOTAutograd alone (fxfuse's fused ops, the rest eager) while "
+                          "a compile process fills Inductor's caches with it, then compile it here from those caches "
+                          "and switch; graphs with symbolic sizes compile at once (default False; see "
+                          "fxfuse.background_inductor)",
     "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
@@ -128,6 +132,7 @@ class FxFuseOptions:
     offload_min_bytes: int = DEFAULT_OFFLOAD_MIN_BYTES  # region inputs at least this large are candidates
     offload_mode: str = "auto"  # auto (as the predicted peak needs), always, off
     plan_tokens: Optional[int] = None  # auto modes of a symbolic-length graph decide at this many tokens
+    background_compile: bool = False  # AOTAutograd alone until a compile process has filled Inductor's caches
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
@@ -198,9 +203,10 @@ class FxFuseOptions:
                                         or plan_tokens < 1):
             raise FxFuseOptionsError(f"options['plan_tokens'] must be a number of tokens >= 1 (batch x length), "
                                      f"got {_kind(plan_tokens)}")
+        background = _check_bool("background_compile", ours.get("background_compile", False))
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
-                   offload_mode=offload_mode, plan_tokens=plan_tokens)
+                   offload_mode=offload_mode, plan_tokens=plan_tokens, background_compile=background)
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:

@@ -163,6 +163,8 @@ class PassManager:
         key = self.uuid() if all(isinstance(p, CustomGraphPass) for p in before) else None
 
         class FxFusePostGrad(CustomGraphPass):
+            fxfuse_key, user_passes = key, before  # what fxfuse.background_inductor's compile child rebuilds it from
+
             def __call__(self, graph):
                 for p in before:
                     p(graph)

@@ -107,6 +107,8 @@ class FusionReport:
             lines.append("  (no site matched any enabled pass: the graph went to Inductor unchanged)")
         if self.lowering.startswith("aot_eager: "):
             lines.append(f"  lowered without Inductor: {self.lowering[len('aot_eager: '):]}")
+        elif self.lowering.startswith("inductor from a background") or self.lowering.startswith("inductor, at once"):
+            lines.append(f"  lowered by {self.lowering}")
         if self.verified:
             lines.append("  verified against the unfused graph (worst difference / tolerance): " +
                          ", ".join(f"{k} {v:.2g}" for k, v in self.verified.items()))

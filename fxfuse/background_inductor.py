@@ -1,0 +1,433 @@
+"""Inductor in a background process: a graph runs AOTAutograd-only until a compile of it is in Inductor's caches.
+
+``options={"background_compile": True}`` (off by default). Without it, the first call of a graph waits for
+Inductor: tracing the joint graph, lowering, code generation, Triton's compiles (and the backward's at the first
+backward), ~5 s for one Llama-8B layer on the H200 hosts, while the GPUs idle. With it, the backend lowers the
+rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering, the min-cut partition Inductor uses:
+fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph to a compile process,
+which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The calls run the
+AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
+``compile_fx`` as without the option, its FX graphs now cache hits (AOTAutograd's trace and the loads remain: about
+a second), and the calls switch to it. A child that failed only means that compile is cold.
+
+Why a process and not a thread: FX's tracer (which AOTAutograd and Inductor's pattern matcher run) patches
+``torch.nn.Module.__call__`` and ``__getattr__`` process-wide while it traces, and a Dynamo-compiled function refuses
+to run meanwhile ("Detected that you are using FX to symbolically trace a dynamo-optimized function"): a compile on a
+thread breaks the training loop's module calls beside it. Inductor's own async compile mode is out of process too.
+
+The switch happens only where it is safe: never inside a backward, and never while a call that ran the AOTAutograd
+version under non-reentrant activation checkpointing still waits for its recompute (the recompute must run the same
+graph as its forward, or the saved tensors would not line up). Otherwise the two versions are interchangeable: each
+call is its own autograd node.
+
+Where it is not used (the reason is in the fusion report's ``lowering``): the graph has symbolic sizes (Inductor may
+add shape guards while it compiles, and a frame's guards are fixed when Dynamo finishes it; Dynamo's second, dynamic
+compile when lengths vary compiles at once, as without the option); the graph cannot be sent to another process (an
+op outside torch and fxfuse, a user's post-grad pass); nothing for Inductor (``compiler="auto"``'s rule) or
+``compiler="aot_eager"``. Costs: the first steps run unfused elementwise kernels (slower; larger transient buffers),
+and each process's compile child holds a CUDA context (a few hundred MiB of its GPU) until its queue is empty.
+:func:`wait_for_background_compiles` waits for every child compile; :func:`background_compiles` lists them.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+__all__ = ["BackgroundJob", "CannotCompileInBackground", "reason_not_to_compile_in_background", "compile_in_background",
+           "background_compiles", "wait_for_background_compiles"]
+
+_SYMBOLIC = "symbolic sizes (Inductor's shape guards must be in place when Dynamo finishes the frame)"
+
+
+@dataclass
+class BackgroundJob:
+    """One graph's background compile, as :func:`background_compiles` lists it."""
+
+    name: str
+    #: compiling (in the child) -> cached (the child is done) / failed (the child's error) -> switched (compiled
+    #: here, the calls run Inductor's version)
+    state: str = "compiling"
+    child_seconds: float = 0.0  # the child's compile (its wall time)
+    switch_seconds: float = 0.0  # the compile here at the switch (the cache hits, AOTAutograd's trace)
+    error: str = ""
+    eager_calls: int = 0  # calls that ran the AOTAutograd version
+    compiled_calls: int = 0
+    cache_hits: Dict[str, int] = field(default_factory=dict)  # the compile here: Inductor's counters
+    _future: Optional[Future] = field(default=None, repr=False)
+
+
+_jobs: List[BackgroundJob] = []
+_lock = threading.Lock()
+
+
+# -- the compile child ---------------------------------------------------------------------------------------
+def _write_message(f, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    f.write(struct.pack("<Q", len(data)) + data)
+    f.flush()
+
+
+def _read_message(f) -> Any:
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError
+    (n,) = struct.unpack("<Q", head)
+    return pickle.loads(f.read(n))
+
+
+class _Child:
+    """One compile process (``python -m fxfuse.background_inductor``), jobs in order over its stdin, results over
+    its stdout, read by a thread here that only resolves futures. It exits when its stdin closes: when no job of
+    it is pending (:meth:`submit` starts another)."""
+
+    def __init__(self):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        self.proc = subprocess.Popen([sys.executable, "-m", "fxfuse.background_inductor"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        self.pending: Dict[int, Future] = {}
+        self.reader = threading.Thread(target=self._read, name="fxfuse-compile-child", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = _read_message(self.proc.stdout)
+                with _lock:
+                    fut = self.pending.pop(msg["id"], None)
+                    if not self.pending:
+                        self._close_stdin()
+                if fut is not None:
+                    fut.set_result(msg)
+        except Exception:
+            pass
+        with _lock:
+            pending, self.pending = dict(self.pending), {}
+        for fut in pending.values():
+            fut.set_result({"ok": False, "seconds": 0.0, "error": "the compile process exited"})
+
+    def _close_stdin(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except Exception:
+            pass
+
+    def submit(self, job_id: int, payload: Dict[str, Any]) -> Optional[Future]:
+        fut: Future = Future()
+        with _lock:
+            if self.proc.stdin.closed or self.proc.poll() is not None:
+                return None
+            self.pending[job_id] = fut
+            try:
+                _write_message(self.proc.stdin, dict(payload, id=job_id))
+            except Exception:
+                self.pending.pop(job_id, None)
+                return None
+        return fut
+
+
+_child: Optional[_Child] = None
+
+
+def _forget_after_fork() -> None:  # a forked child (a DataLoader worker) has none of the parent's pipes or threads
+    global _child, _lock
+    _child, _lock = None, threading.Lock()
+    _jobs.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _submit(job_id: int, payload: Dict[str, Any]) -> Future:
+    global _child
+    for _ in range(2):  # the current child, or a new one where it has closed
+        if _child is None:
+            _child = _Child()
+        fut = _child.submit(job_id, payload)
+        if fut is not None:
+            return fut
+        _child = None
+    fut = Future()
+    fut.set_result({"ok": False, "seconds": 0.0, "error": "could not start the compile process"})
+    return fut
+
+
+def _child_main() -> None:
+    """The compile process: for each job, rebuild the graph and compile it (forward and backward) with Inductor,
+    which leaves the FX graphs in its on-disk caches; answer with the time or the error."""
+    proto = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # prints from torch or Inductor must not reach the protocol
+    import fxfuse  # noqa: F401  (registers torch.ops.fxfuse.*, which the graphs call)
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    stdin = sys.stdin.buffer
+    while True:
+        try:
+            job = _read_message(stdin)
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        try:
+            if job.get("inductor_config") is not None:
+                torch._inductor.config.load_config(job["inductor_config"])
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            gm, example_inputs = GraphPickler.loads(job["graph"], fake_mode)
+            for node, source in zip(gm.graph.find_nodes(op="placeholder"), job["sources"]):
+                node._dynamo_source = source
+            gm.meta.update(job["meta"])
+            if job["param_sources"] is not None:
+                gm._param_name_to_source = job["param_sources"]
+            patches = dict(job["patches"])
+            patches["post_grad_custom_post_pass"] = _post_grad_pass(job["post_grad_uuid"])
+            if job["device"] is not None:
+                torch.cuda.set_device(job["device"])
+            with tracing(TracingContext(fake_mode)), \
+                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                compile_fx(gm, example_inputs, config_patches=patches)
+            _write_message(proto, {"id": job["id"], "ok": True, "seconds": time.perf_counter() - t0, "error": ""})
+        except BaseException as e:  # noqa: BLE001  (any failure is the answer, not the child's end)
+            _write_message(proto, {"id": job["id"], "ok": False, "seconds": time.perf_counter() - t0,
+                                   "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"})
+
+
+def _post_grad_pass(uuid: Any):
+    """fxfuse's post-grad pass as :meth:`PassManager.post_grad_pass` builds it (no user pass before it), with the
+    parent's ``uuid()``: Inductor's cache keys must be the parent's."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from .ops.host_offload import fold_round_trips
+
+    class FxFusePostGrad(CustomGraphPass):
+        def __call__(self, graph):
+            fold_round_trips(graph)
+
+        def uuid(self):
+            return uuid
+
+    return FxFusePostGrad()
+
+
+# -- the backend's side ----------------------------------------------------------------------------------------
+def reason_not_to_compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Optional[str]:
+    """Why ``gm`` must compile at once (see the module docstring), or None."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    for x in example_inputs:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+                isinstance(x, torch.Tensor) and free_symbols(x)):
+            return _SYMBOLIC
+    for node in gm.graph.nodes:
+        if free_symbols(node.meta.get("val")) or free_symbols(node.meta.get("example_value")):
+            return _SYMBOLIC
+    return None
+
+
+def _graph_to_send(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its own graph and without its nodes' example values and Dynamo's records of its inputs (which
+    hold the real tensors; node meta dicts are copies). AOTAutograd
+    traces the graph again from its inputs, so neither side needs them, and GraphPickler cannot take a view's fake
+    tensor. Both the child and this process compile this one: the same graph, the same cache keys."""
+    sent = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    sent.meta = dict(getattr(gm, "meta", {}))
+    if hasattr(gm, "_param_name_to_source"):
+        sent._param_name_to_source = gm._param_name_to_source
+    for src, dst in zip(gm.graph.find_nodes(op="placeholder"), sent.graph.find_nodes(op="placeholder")):
+        if hasattr(src, "_dynamo_source"):
+            dst._dynamo_source = src._dynamo_source
+    for node in sent.graph.nodes:
+        for key in ("val", "example_value", "grapharg"):  # grapharg: Dynamo's record of the input, the real tensor
+            node.meta.pop(key, None)
+    return sent
+
+
+def _inputs_to_send(fake_mode, example_inputs: Sequence[Any]) -> List[Any]:
+    """Fake copies of the example inputs that GraphPickler can take: a view (FSDP2's unsharded parameters are views
+    of the all-gather buffer) becomes a tensor of its own with the same sizes, strides, dtype, device and
+    requires_grad, and Parameters stay Parameters. Inductor reads one more thing from an input, whether its data
+    is 16-byte aligned (it assumes so for those that were, and copies a misaligned one at run time): a view off
+    that alignment cannot be stood in for (raises)."""
+    out = []
+    for t in example_inputs:
+        if not isinstance(t, torch.Tensor):
+            out.append(t)
+            continue
+        if t._is_view() or t.storage_offset():
+            if (t.storage_offset() * t.element_size()) % 16:
+                raise CannotCompileInBackground("an input is a view whose data is not 16-byte aligned")
+            with fake_mode:
+                fresh = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+            fresh = (torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter)
+                     else fresh.requires_grad_(t.requires_grad))
+            out.append(fresh)
+        else:
+            out.append(fake_mode.from_tensor(t))
+    return out
+
+
+def _payload(sent: fx.GraphModule, inputs: Sequence[Any], patches: Dict[str, Any]) -> Dict[str, Any]:
+    """What the child needs to compile ``sent`` as this process will (raises where something cannot be sent)."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    patches = dict(patches)
+    post_grad = patches.pop("post_grad_custom_post_pass", None)
+    if getattr(post_grad, "user_passes", None) != [] or getattr(post_grad, "fxfuse_key", None) is None:
+        raise ValueError("a user's post-grad pass runs before fxfuse's (the child cannot rebuild it)")
+    uuid = post_grad.uuid()
+    try:
+        inductor_config = torch._inductor.config.save_config_portable()
+    except Exception:  # a config the child cannot take: its own defaults (a cache miss at worst)
+        inductor_config = None
+    device = next((t.device.index for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"), None)
+    return dict(
+        graph=GraphPickler.dumps((sent, list(inputs)), Options(ops_filter=None)),
+        sources=[getattr(n, "_dynamo_source", None) for n in sent.graph.find_nodes(op="placeholder")],
+        meta=dict(sent.meta), param_sources=getattr(sent, "_param_name_to_source", None),
+        patches=patches, post_grad_uuid=uuid, inductor_config=inductor_config, device=device)
+
+
+def _checkpoint_phase() -> Optional[str]:
+    """"forward" inside a non-reentrant activation checkpoint's forward, "recompute" inside its recompute."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    name = getattr(hooks[0], "__qualname__", "")
+    if name.startswith("_checkpoint_hook"):
+        return "forward"
+    if name.startswith("_recomputation_hook"):
+        return "recompute"
+    return None
+
+
+class _SwitchWhenCached:
+    """The callable handed back to Dynamo: the AOTAutograd version until the child is done and the switch is safe
+    (module docstring), then ``compile_now()``'s (Inductor's, from its caches)."""
+
+    def __init__(self, eager_fn: Callable, compile_now: Callable[[], Callable], job: BackgroundJob):
+        self._eager_fn = eager_fn
+        self._compile_now = compile_now
+        self._compiled: Optional[Callable] = None
+        self._job = job
+        self._awaiting_recompute = 0  # eager calls under a non-reentrant checkpoint whose recompute has not run
+
+    def _try_switch(self) -> None:
+        fut = self._job._future
+        if fut is None or not fut.done() or self._awaiting_recompute or torch._C._current_graph_task_id() != -1:
+            return
+        self._job._future = None
+        t0 = time.perf_counter()
+        counters = torch._dynamo.utils.counters
+        keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
+        before = {k: counters[a][k] for a, k in keys}
+        self._compiled = self._compile_now()  # as without the option: an error here is the compile's own
+        self._job.cache_hits = {k: counters[a][k] - before[k] for a, k in keys}
+        self._job.switch_seconds = time.perf_counter() - t0
+        self._job.state = "switched"
+        self._eager_fn = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._compiled is None:
+            self._try_switch()
+        if self._compiled is not None:
+            self._job.compiled_calls += 1
+            return self._compiled(*args)
+        self._job.eager_calls += 1
+        if torch.is_grad_enabled():
+            phase = _checkpoint_phase()
+            if phase == "forward":
+                self._awaiting_recompute += 1
+            elif phase == "recompute" and self._awaiting_recompute:
+                self._awaiting_recompute -= 1
+        return self._eager_fn(*args)
+
+
+def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: Dict[str, Any],
+                          lower_eagerly: Callable[[fx.GraphModule, Sequence[Any]], Callable],
+                          name: str) -> Optional[Callable]:
+    """Lower ``gm`` with ``lower_eagerly`` now, send it to the compile child, and return the callable that switches
+    to ``compile_fx(gm, ...)`` once the child has filled the caches (module docstring). Raises
+    :class:`CannotCompileInBackground` (nothing started) where the graph cannot be sent: the caller compiles at
+    once."""
+    from torch._guards import CompileContext, TracingContext, compile_context, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx
+
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise CannotCompileInBackground("no fake mode (not called by Dynamo)")
+    if torch._inductor.config.force_disable_caches or not torch._inductor.config.fx_graph_cache:
+        raise CannotCompileInBackground("Inductor's FX graph cache is off (the child hands its work over through it)")
+    try:
+        sent = _graph_to_send(gm)
+        inputs = _inputs_to_send(fake_mode, example_inputs)
+        payload = _payload(sent, inputs, patches)
+    except CannotCompileInBackground:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CannotCompileInBackground(f"cannot send it to the compile process: {type(e).__name__}: {e}"[:300]
+                                        ) from None
+    compile_id = CompileContext.current_compile_id()
+
+    def compile_now() -> Callable:
+        with compile_context(CompileContext(compile_id)), tracing(TracingContext(fake_mode)), \
+                torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return compile_fx(sent, inputs, config_patches=patches)
+
+    job = BackgroundJob(name=name)
+    eager_fn = lower_eagerly(gm, example_inputs)
+    with _lock:
+        job_id = len(_jobs)
+        _jobs.append(job)
+    fut = _submit(job_id, payload)
+
+    def done(f: Future, job=job) -> None:
+        msg = f.result()
+        job.child_seconds = msg["seconds"]
+        if job.state == "compiling":
+            job.state, job.error = ("cached", "") if msg["ok"] else ("failed", msg["error"])
+    fut.add_done_callback(done)
+    job._future = fut
+    return _SwitchWhenCached(eager_fn, compile_now, job)
+
+
+class CannotCompileInBackground(Exception):
+    """The graph cannot be compiled in the child (the message says why)."""
+
+
+def background_compiles() -> List[BackgroundJob]:
+    """Every background compile of this process, oldest first (name, state, the child's and the switch's seconds,
+    error, and how many calls ran each version)."""
+    with _lock:
+        return list(_jobs)
+
+
+def wait_for_background_compiles(timeout: Optional[float] = None) -> bool:
+    """Wait for every compile child job; True if none is left running (``timeout`` seconds at most, None: no
+    limit). The graphs switch to Inductor's version at their next safe call; a failed child compile counts as
+    finished (that switch then compiles cold)."""
+    import concurrent.futures as cf
+
+    futures = [j._future for j in background_compiles() if j._future is not None]
+    _, not_done = cf.wait(futures, timeout=timeout)
+    return not not_done
+
+
+if __name__ == "__main__":
+    _child_main()

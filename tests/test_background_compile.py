@@ -1,0 +1,206 @@
+"""options={"background_compile": True} (fxfuse.background_inductor): a graph runs through AOTAutograd alone while a
+compile process fills Inductor's caches with it; at the first safe call after, it is compiled here from those caches
+and the calls switch, never inside a backward or between an activation checkpoint's forward and its recompute.
+Values and gradients match the module run eagerly on both sides of the switch. Inductor's caches are on here (a
+temporary directory), unlike the rest of the suite: they are how the child hands its work over."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import fxfuse
+from fxfuse import background_inductor
+from fxfuse.errors import FxFuseOptionsError
+
+
+class _Mlp(nn.Module):
+    """Elementwise work around two matmuls: Inductor has kernels to generate (compiler="auto" keeps it)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.up(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return x + self.down(torch.nn.functional.silu(h) * 0.5)
+
+
+@pytest.fixture(autouse=True)
+def _caches_on_and_no_jobs_left(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0")  # the child reads it at import
+    # conftest's TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 was read at import and outranks a setting: undo it here
+    monkeypatch.setattr(torch.compiler.config._config["force_disable_caches"], "env_value_force", False)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", False)
+    background_inductor._jobs.clear()
+    yield
+    assert fxfuse.wait_for_background_compiles(timeout=600)  # nothing left compiling into the next test
+    background_inductor._jobs.clear()
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    ref = _Mlp()
+    mod = _Mlp()
+    mod.load_state_dict(ref.state_dict())
+    return ref, mod
+
+
+def _step(fn, module, x):
+    """One forward + backward; the output and the parameters' gradients (cleared after)."""
+    out = fn(x)
+    out.square().mean().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def _assert_close(a, b):
+    out_a, grads_a = a
+    out_b, grads_b = b
+    torch.testing.assert_close(out_a, out_b, rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
+
+
+def test_runs_eagerly_until_cached_then_switches_with_the_same_values():
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True)
+    x = torch.randn(3, 8, 16)
+
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))  # AOTAutograd's version, the child compiling
+    (job,) = fxfuse.background_compiles()
+    assert (job.eager_calls, job.compiled_calls) == (1, 0)
+    assert fxfuse.wait_for_background_compiles(timeout=600)
+    assert job.state == "cached", job.error
+    assert job.child_seconds > 0
+
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))  # compiled here from the child's cache entries
+    assert job.state == "switched" and (job.eager_calls, job.compiled_calls) == (1, 1)
+    assert job.cache_hits["fxgraph_cache_hit"] == 2 and job.cache_hits["fxgraph_cache_miss"] == 0, job.cache_hits
+    (rep,) = fxfuse.reports()
+    assert rep.lowering.startswith("inductor from a background compile")
+    assert "lowered by inductor from a background compile" in str(rep)
+
+
+def test_a_dead_child_means_a_cold_compile_at_the_switch():
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True)
+    x = torch.randn(3, 16)
+    _step(compiled, mod, x)
+    background_inductor._child.proc.kill()
+    assert fxfuse.wait_for_background_compiles(timeout=60)
+    (job,) = fxfuse.background_compiles()
+    assert job.state == "failed" and "exited" in job.error
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert job.state == "switched" and job.cache_hits["fxgraph_cache_miss"] == 2
+
+
+def test_symbolic_sizes_compile_at_once():
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, dynamic=True, background_compile=True)
+    x = torch.randn(5, 16)
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert fxfuse.background_compiles() == []
+    (rep,) = fxfuse.reports()
+    assert rep.lowering.startswith("inductor, at once: symbolic sizes")
+
+
+def test_a_users_post_grad_pass_compiles_at_once():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Nothing(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "nothing"
+
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True, options={"post_grad_custom_post_pass": Nothing()})
+    x = torch.randn(3, 16)
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert fxfuse.background_compiles() == []
+    (rep,) = fxfuse.reports()
+    assert "inductor, at once: cannot send it to the compile process" in rep.lowering
+    assert "user's post-grad pass" in rep.lowering
+
+
+def test_no_switch_between_a_checkpointed_forward_and_its_recompute():
+    # The child is done between two checkpointed calls of one step (two layers sharing the graph): the second call
+    # must not switch while the first waits for its recompute, and no recompute (inside the backward) may run
+    # another version than its forward did, or the saved tensors would not line up.
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True)
+    _step(compiled, mod, torch.randn(4, 16, requires_grad=True))
+    assert fxfuse.wait_for_background_compiles(timeout=600)
+    (job,) = fxfuse.background_compiles()
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+
+    job.eager_calls = 0
+    fut, job._future = job._future, None  # hold the switch back for the first checkpointed call...
+    h = checkpoint(compiled, x, use_reentrant=False)
+    job._future = fut  # ...then the compile is "ready" for the second one
+    out = checkpoint(compiled, h, use_reentrant=False)
+    out.square().mean().backward()
+    assert (job.eager_calls, job.compiled_calls) == (4, 0)  # two forwards, two recomputes: AOTAutograd's
+    out_ref = checkpoint(ref, checkpoint(ref, x_ref, use_reentrant=False), use_reentrant=False)
+    out_ref.square().mean().backward()
+    torch.testing.assert_close(out.detach(), out_ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    mod.zero_grad(set_to_none=True)
+
+    _step(lambda t: checkpoint(compiled, t, use_reentrant=False), mod, torch.randn(4, 16, requires_grad=True))
+    assert job.compiled_calls == 2 and len(fxfuse.background_compiles()) == 1  # the next step: Inductor's
+
+
+def test_compile_regions_sends_fused_layers_and_keeps_the_loss():
+    # A tiny Llama by regions: the layer graph (fxfuse's ops in it reach the child, which imports fxfuse) goes to
+    # the child; the loss graph has nothing for Inductor and runs through AOTAutograd as always.
+    from conftest import tiny_causal_lm
+
+    torch.manual_seed(0)
+    ref = tiny_causal_lm("llama")
+    model = tiny_causal_lm("llama")
+    model.load_state_dict(ref.state_dict())
+    fxfuse.compile_regions(model, background_compile=True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    labels = ids.clone()
+
+    def step(m):
+        loss = m(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    def close(a, b):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-5)
+        for ga, gb in zip(a[1], b[1]):
+            torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+
+    close(step(model), step(ref))
+    assert fxfuse.wait_for_background_compiles(timeout=600)
+    jobs = fxfuse.background_compiles()
+    assert jobs and all(j.state == "cached" for j in jobs), [j.error for j in jobs]
+    close(step(model), step(ref))
+    assert all(j.state == "switched" and j.cache_hits["fxgraph_cache_hit"] == 2 for j in jobs)
+    lowerings = sorted(r.lowering.split(" (")[0].split(":")[0] for r in fxfuse.reports())
+    assert "aot_eager" in lowerings and "inductor from a background compile" in lowerings
+
+
+def test_caches_off_compile_at_once(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True)
+    x = torch.randn(3, 16)
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert fxfuse.background_compiles() == []
+    (rep,) = fxfuse.reports()
+    assert "inductor, at once: Inductor's FX graph cache is off" in rep.lowering
+
+
+def test_the_option_is_a_bool():
+    with pytest.raises(FxFuseOptionsError, match="background_compile"):
+        fxfuse.compile(_Mlp(), background_compile="yes")
