@@ -221,7 +221,7 @@ def main(impl):
         kw = dict(passes={p: False for p in off}) if off else {}
         if os.environ.get("FSDP_COMPILER"):  # fxfuse's compiler option: auto (default), inductor, aot_eager
             kw["compiler"] = os.environ["FSDP_COMPILER"]
-        if background:  # Inductor on a background thread, AOTAutograd alone until it is ready
+        if background:  # AOTAutograd alone until a compile process has filled Inductor's caches
             kw["background_compile"] = True
         fwd = fxfuse.compile_regions(model, **kw)
     elif impl == "fxfuse-regions-nopass":
@@ -312,7 +312,8 @@ def main(impl):
     if background:  # the steps between the first and the first all-compiled one, and each graph's compile
         row.update(background_compile=True, early_steps_ms=early_ms,
                    to_compiled_s=round(to_compiled, 1) if to_compiled is not None else None,
-                   background_jobs=[dict(name=j.name, state=j.state, child_s=round(j.child_seconds, 2),
+                   background_jobs=[dict(name=j.name, state=j.state, send_s=round(j.send_seconds, 2),
+                                         child_s=round(j.child_seconds, 2),
                                          switch_s=round(j.switch_seconds, 2), cache=j.cache_hits,
                                          eager_calls=j.eager_calls, error=j.error[:300])
                                     for j in fxfuse.background_compiles()])

@@ -58,7 +58,10 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
                                  + f" (fxfuse's options: {', '.join(FXFUSE_KEYS)}; Inductor settings go in "
                                    f"options={{...}})")
     merged = merge_option_kwargs("fxfuse.compile", options, fxfuse_options)
-    FxFuseOptions.parse(merged)
+    if FxFuseOptions.parse(merged).background_compile and not disable:
+        from .background_inductor import prestart
+
+        prestart()  # the compile process imports torch while the caller goes on
     if mode is not None:
         modes = _known_modes()
         if mode not in modes:

@@ -31,8 +31,10 @@ and each process's compile child holds a CUDA context (a few hundred MiB of its 
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import pickle
+import queue
 import struct
 import subprocess
 import sys
@@ -47,6 +49,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["BackgroundJob", "CannotCompileInBackground", "reason_not_to_compile_in_background", "compile_in_background",
+           "prestart",
            "background_compiles", "wait_for_background_compiles"]
 
 _SYMBOLIC = "symbolic sizes (Inductor's shape guards must be in place when Dynamo finishes the frame)"
@@ -60,6 +63,7 @@ class BackgroundJob:
     #: compiling (in the child) -> cached (the child is done) / failed (the child's error) -> switched (compiled
     #: here, the calls run Inductor's version)
     state: str = "compiling"
+    send_seconds: float = 0.0  # here, in the first call: the graph and its inputs prepared and pickled
     child_seconds: float = 0.0  # the child's compile (its wall time)
     switch_seconds: float = 0.0  # the compile here at the switch (the cache hits, AOTAutograd's trace)
     error: str = ""
@@ -74,9 +78,13 @@ _lock = threading.Lock()
 
 
 # -- the compile child ---------------------------------------------------------------------------------------
-def _write_message(f, obj: Any) -> None:
+def _message(obj: Any) -> bytes:
     data = pickle.dumps(obj)
-    f.write(struct.pack("<Q", len(data)) + data)
+    return struct.pack("<Q", len(data)) + data
+
+
+def _write_message(f, obj: Any) -> None:
+    f.write(_message(obj))
     f.flush()
 
 
@@ -89,9 +97,11 @@ def _read_message(f) -> Any:
 
 
 class _Child:
-    """One compile process (``python -m fxfuse.background_inductor``), jobs in order over its stdin, results over
-    its stdout, read by a thread here that only resolves futures. It exits when its stdin closes: when no job of
-    it is pending (:meth:`submit` starts another)."""
+    """One compile process (``python -m fxfuse.background_inductor``): jobs in order over its stdin, results over
+    its stdout. Two threads here move bytes only (the pickles are made on the caller's thread): a writer, since a
+    payload larger than the pipe's buffer blocks until the child reads it (it may still be importing torch, or
+    compiling the previous job), and a reader that resolves the futures. It exits when its stdin closes: when no
+    job of it is pending (:func:`_submit` starts another)."""
 
     def __init__(self):
         env = dict(os.environ)
@@ -99,8 +109,22 @@ class _Child:
         self.proc = subprocess.Popen([sys.executable, "-m", "fxfuse.background_inductor"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
         self.pending: Dict[int, Future] = {}
-        self.reader = threading.Thread(target=self._read, name="fxfuse-compile-child", daemon=True)
-        self.reader.start()
+        self.closed = False
+        self.outbox: "queue.Queue[Optional[bytes]]" = queue.Queue()
+        threading.Thread(target=self._write, name="fxfuse-compile-child-in", daemon=True).start()
+        threading.Thread(target=self._read, name="fxfuse-compile-child-out", daemon=True).start()
+
+    def _write(self) -> None:
+        while True:
+            data = self.outbox.get()
+            try:
+                if data is None:
+                    self.proc.stdin.close()
+                    return
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+            except Exception:  # the child is gone: the reader fails what is pending
+                return
 
     def _read(self) -> None:
         try:
@@ -108,34 +132,26 @@ class _Child:
                 msg = _read_message(self.proc.stdout)
                 with _lock:
                     fut = self.pending.pop(msg["id"], None)
-                    if not self.pending:
-                        self._close_stdin()
+                    if not self.pending and not self.closed:
+                        self.closed = True
+                        self.outbox.put(None)
                 if fut is not None:
                     fut.set_result(msg)
         except Exception:
             pass
         with _lock:
+            self.closed = True
             pending, self.pending = dict(self.pending), {}
         for fut in pending.values():
             fut.set_result({"ok": False, "seconds": 0.0, "error": "the compile process exited"})
 
-    def _close_stdin(self) -> None:
-        try:
-            self.proc.stdin.close()
-        except Exception:
-            pass
-
-    def submit(self, job_id: int, payload: Dict[str, Any]) -> Optional[Future]:
+    def submit(self, job_id: int, data: bytes) -> Optional[Future]:
         fut: Future = Future()
         with _lock:
-            if self.proc.stdin.closed or self.proc.poll() is not None:
+            if self.closed or self.proc.poll() is not None:
                 return None
             self.pending[job_id] = fut
-            try:
-                _write_message(self.proc.stdin, dict(payload, id=job_id))
-            except Exception:
-                self.pending.pop(job_id, None)
-                return None
+            self.outbox.put(data)
         return fut
 
 
@@ -152,12 +168,22 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def prestart() -> None:
+    """Start the compile process now (its imports take seconds), so that it is ready when the first graph comes:
+    ``fxfuse.compile(..., background_compile=True)`` calls it."""
+    global _child
+    with _lock:
+        if _child is None or _child.closed:
+            _child = _Child()
+
+
 def _submit(job_id: int, payload: Dict[str, Any]) -> Future:
     global _child
+    data = _message(dict(payload, id=job_id))
     for _ in range(2):  # the current child, or a new one where it has closed
         if _child is None:
             _child = _Child()
-        fut = _child.submit(job_id, payload)
+        fut = _child.submit(job_id, data)
         if fut is not None:
             return fut
         _child = None
@@ -171,7 +197,7 @@ def _child_main() -> None:
     which leaves the FX graphs in its on-disk caches; answer with the time or the error."""
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from torch or Inductor must not reach the protocol
-    import fxfuse  # noqa: F401  (registers torch.ops.fxfuse.*, which the graphs call)
+    importlib.import_module("fxfuse")  # registers torch.ops.fxfuse.*, which the graphs call
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses import FakeTensorMode
@@ -374,6 +400,7 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
         raise CannotCompileInBackground("no fake mode (not called by Dynamo)")
     if torch._inductor.config.force_disable_caches or not torch._inductor.config.fx_graph_cache:
         raise CannotCompileInBackground("Inductor's FX graph cache is off (the child hands its work over through it)")
+    t0 = time.perf_counter()
     try:
         sent = _graph_to_send(gm)
         inputs = _inputs_to_send(fake_mode, example_inputs)
@@ -390,7 +417,7 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
                 torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             return compile_fx(sent, inputs, config_patches=patches)
 
-    job = BackgroundJob(name=name)
+    job = BackgroundJob(name=name, send_seconds=time.perf_counter() - t0)
     eager_fn = lower_eagerly(gm, example_inputs)
     with _lock:
         job_id = len(_jobs)
