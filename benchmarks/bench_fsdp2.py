@@ -148,6 +148,10 @@ def first_step_breakdown(timer, split=None):
 def main(impl):
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
+    if os.environ.get("FSDP_DUMP_AFTER"):  # every thread's stack to stderr after this many seconds (a hang)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["FSDP_DUMP_AFTER"]), repeat=True)
     dev = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -256,6 +260,8 @@ def main(impl):
         prof.enable()
     l0 = step().item()
     first = time.perf_counter() - t0
+    if background and rank == 0:
+        print(f"first step {first:.1f} s", file=sys.stderr)
     if prof is not None:
         import io
         import pstats
@@ -276,6 +282,9 @@ def main(impl):
             t1 = time.perf_counter()
             step().item()
             early_ms.append(round((time.perf_counter() - t1) * 1e3, 1))
+            if rank == 0:
+                print(f"early step {len(early_ms)}: {early_ms[-1]} ms, jobs "
+                      f"{[(j.state, j.eager_calls) for j in fxfuse.background_compiles()]}", file=sys.stderr)
             if all(j.state == "switched" and j.compiled_calls > before.get(j.name, 0)
                    for j in fxfuse.background_compiles()):
                 to_compiled = time.perf_counter() - t0  # the end of the first step every graph ran compiled
