@@ -285,8 +285,13 @@ def main(impl):
             if rank == 0:
                 print(f"early step {len(early_ms)}: {early_ms[-1]} ms, jobs "
                       f"{[(j.state, j.eager_calls) for j in fxfuse.background_compiles()]}", file=sys.stderr)
-            if all(j.state == "switched" and j.compiled_calls > before.get(j.name, 0)
-                   for j in fxfuse.background_compiles()):
+            done = all(j.state == "switched" and j.compiled_calls > before.get(j.name, 0)
+                       for j in fxfuse.background_compiles())
+            # Every rank must run as many steps (FSDP's collectives pair up): the ranks switch at different steps
+            # (each has its own compile process), so stop where all of them ran compiled
+            flag = torch.tensor([1.0 if done else 0.0], device=dev)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if flag.item() == 1.0:
                 to_compiled = time.perf_counter() - t0  # the end of the first step every graph ran compiled
                 break
     for _ in range(2):
