@@ -2,13 +2,14 @@
 
 ``options={"background_compile": True}`` (off by default). Without it, the first call of a graph waits for
 Inductor: tracing the joint graph, lowering, code generation, Triton's compiles (and the backward's at the first
-backward), ~5 s for one Llama-8B layer on the H200 hosts, while the GPUs idle. With it, the backend lowers the
+backward), 5-9 s for one Llama-8B layer graph under FSDP2 on the H200 hosts, while the GPUs idle. With it, the backend lowers the
 rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering, the min-cut partition Inductor uses:
 fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph to a compile process,
 which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The calls run the
 AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
-``compile_fx`` as without the option, its FX graphs now cache hits (AOTAutograd's trace and the loads remain: about
-a second), and the calls switch to it. A child that failed only means that compile is cold.
+``compile_fx`` as without the option, its FX graphs now cache hits (AOTAutograd's trace and the loads remain:
+0.5-2.8 s measured), and the calls switch to it. Inductor's cache keys read more than its config, so the child also
+takes this process's thread count, deterministic-algorithms mode and float32 matmul settings. A child that failed only means that compile is cold.
 
 Why a process and not a thread: FX's tracer (which AOTAutograd and Inductor's pattern matcher run) patches
 ``torch.nn.Module.__call__`` and ``__getattr__`` process-wide while it traces, and a Dynamo-compiled function refuses
@@ -25,7 +26,8 @@ add shape guards while it compiles, and a frame's guards are fixed when Dynamo f
 compile when lengths vary compiles at once, as without the option); the graph cannot be sent to another process (an
 op outside torch and fxfuse, a user's post-grad pass); nothing for Inductor (``compiler="auto"``'s rule) or
 ``compiler="aot_eager"``. Costs: the first steps run unfused elementwise kernels (slower; larger transient buffers),
-and each process's compile child holds a CUDA context (a few hundred MiB of its GPU) until its queue is empty.
+under FSDP a rank's switch stalls the other ranks once at their next collective (each rank switches at its own
+step), and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty.
 :func:`wait_for_background_compiles` waits for every child compile; :func:`background_compiles` lists them.
 """
 from __future__ import annotations
@@ -106,8 +108,10 @@ class _Child:
     def __init__(self):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        log = os.environ.get("FXFUSE_BACKGROUND_LOG")  # the child's stderr (Inductor's logs, with TORCH_LOGS)
         self.proc = subprocess.Popen([sys.executable, "-m", "fxfuse.background_inductor"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                                     stdout=subprocess.PIPE, env=env,
+                                     stderr=open(log, "ab") if log else subprocess.DEVNULL)
         self.pending: Dict[int, Future] = {}
         self.closed = False
         self.outbox: "queue.Queue[Optional[bytes]]" = queue.Queue()
@@ -214,6 +218,7 @@ def _child_main() -> None:
         try:
             if job.get("inductor_config") is not None:
                 torch._inductor.config.load_config(job["inductor_config"])
+            _apply_process_settings(job["settings"])
             fake_mode = FakeTensorMode(shape_env=ShapeEnv())
             gm, example_inputs = GraphPickler.loads(job["graph"], fake_mode)
             for node, source in zip(gm.graph.find_nodes(op="placeholder"), job["sources"]):
@@ -232,6 +237,43 @@ def _child_main() -> None:
         except BaseException as e:  # noqa: BLE001  (any failure is the answer, not the child's end)
             _write_message(proto, {"id": job["id"], "ok": False, "seconds": time.perf_counter() - t0,
                                    "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"})
+
+
+def _process_settings() -> Dict[str, Any]:
+    """The process-wide settings besides Inductor's config that Inductor's cache keys read (and the compile honours):
+    the child takes the parent's, or every lookup here would miss."""
+    cuda_matmul = torch.backends.cuda.matmul
+    settings = dict(
+        num_threads=torch.get_num_threads(),  # a CPU graph's C++ code is generated for it
+        deterministic=(torch.are_deterministic_algorithms_enabled(),
+                       torch.is_deterministic_algorithms_warn_only_enabled()),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        allow_tf32=cuda_matmul.allow_tf32,
+        allow_fp16_reduced=cuda_matmul.allow_fp16_reduced_precision_reduction,
+        allow_bf16_reduced=cuda_matmul.allow_bf16_reduced_precision_reduction,
+    )
+    if hasattr(cuda_matmul, "fp32_precision"):  # torch >= 2.9's spelling, its own value in the key
+        settings["fp32_precision"] = cuda_matmul.fp32_precision
+    return settings
+
+
+def _apply_process_settings(settings: Dict[str, Any]) -> None:
+    """Each setting the child does not already have, through its setter (a setter may move related values: only a
+    difference is applied, and fp32_precision, which the others move, last)."""
+    cuda_matmul = torch.backends.cuda.matmul
+    setters = dict(
+        num_threads=torch.set_num_threads,
+        deterministic=lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+        float32_matmul_precision=torch.set_float32_matmul_precision,
+        allow_tf32=lambda v: setattr(cuda_matmul, "allow_tf32", v),
+        allow_fp16_reduced=lambda v: setattr(cuda_matmul, "allow_fp16_reduced_precision_reduction", v),
+        allow_bf16_reduced=lambda v: setattr(cuda_matmul, "allow_bf16_reduced_precision_reduction", v),
+        fp32_precision=lambda v: setattr(cuda_matmul, "fp32_precision", v),
+    )
+    for key, setter in setters.items():
+        now = _process_settings()
+        if key in settings and key in now and now[key] != settings[key]:
+            setter(settings[key])
 
 
 def _post_grad_pass(uuid: Any):
@@ -326,7 +368,8 @@ def _payload(sent: fx.GraphModule, inputs: Sequence[Any], patches: Dict[str, Any
         graph=GraphPickler.dumps((sent, list(inputs)), Options(ops_filter=None)),
         sources=[getattr(n, "_dynamo_source", None) for n in sent.graph.find_nodes(op="placeholder")],
         meta=dict(sent.meta), param_sources=getattr(sent, "_param_name_to_source", None),
-        patches=patches, post_grad_uuid=uuid, inductor_config=inductor_config, device=device)
+        patches=patches, post_grad_uuid=uuid, inductor_config=inductor_config, settings=_process_settings(),
+        device=device)
 
 
 def _checkpoint_phase() -> Optional[str]:

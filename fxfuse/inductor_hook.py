@@ -51,7 +51,7 @@ log = logging.getLogger("fxfuse")
 
 __all__ = ["install", "uninstall", "installed", "Installation"]
 
-_NOT_IN_INSTALLED_MODE = ("compiler",)
+_NOT_IN_INSTALLED_MODE = ("compiler", "background_compile")
 
 
 def _hook_support() -> Optional[str]:

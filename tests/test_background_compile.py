@@ -201,6 +201,9 @@ def test_caches_off_compile_at_once(monkeypatch):
     assert "inductor, at once: Inductor's FX graph cache is off" in rep.lowering
 
 
-def test_the_option_is_a_bool():
+def test_the_option_is_a_bool_and_not_installs():
     with pytest.raises(FxFuseOptionsError, match="background_compile"):
         fxfuse.compile(_Mlp(), background_compile="yes")
+    with pytest.raises(FxFuseOptionsError, match="background_compile.*does not apply"):
+        fxfuse.install(background_compile=True)  # Inductor compiles there: nothing to run in its place
+    assert not fxfuse.inductor_hook.installed()
