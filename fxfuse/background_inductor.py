@@ -172,6 +172,16 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def _stop_child() -> None:
+    """Let the compile process finish what it has and exit (tests: each starts with none)."""
+    global _child
+    with _lock:
+        child, _child = _child, None
+        if child is not None and not child.closed:
+            child.closed = True
+            child.outbox.put(None)
+
+
 def prestart() -> None:
     """Start the compile process now (its imports take seconds), so that it is ready when the first graph comes:
     ``fxfuse.compile(..., background_compile=True)`` calls it."""
@@ -216,6 +226,7 @@ def _child_main() -> None:
             return
         t0 = time.perf_counter()
         try:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = job["cache_dir"]  # the parent's now (it may have moved)
             if job.get("inductor_config") is not None:
                 torch._inductor.config.load_config(job["inductor_config"])
             _apply_process_settings(job["settings"])
@@ -352,6 +363,7 @@ def _inputs_to_send(fake_mode, example_inputs: Sequence[Any]) -> List[Any]:
 
 def _payload(sent: fx.GraphModule, inputs: Sequence[Any], patches: Dict[str, Any]) -> Dict[str, Any]:
     """What the child needs to compile ``sent`` as this process will (raises where something cannot be sent)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
     from torch.fx._graph_pickler import GraphPickler, Options
 
     patches = dict(patches)
@@ -369,7 +381,7 @@ def _payload(sent: fx.GraphModule, inputs: Sequence[Any], patches: Dict[str, Any
         sources=[getattr(n, "_dynamo_source", None) for n in sent.graph.find_nodes(op="placeholder")],
         meta=dict(sent.meta), param_sources=getattr(sent, "_param_name_to_source", None),
         patches=patches, post_grad_uuid=uuid, inductor_config=inductor_config, settings=_process_settings(),
-        device=device)
+        cache_dir=cache_dir(), device=device)
 
 
 def _checkpoint_phase() -> Optional[str]:
@@ -410,7 +422,7 @@ class _SwitchWhenCached:
         self._job.cache_hits = {k: counters[a][k] - before[k] for a, k in keys}
         self._job.switch_seconds = time.perf_counter() - t0
         self._job.state = "switched"
-        self._eager_fn = None
+        self._eager_fn = self._compile_now = None  # nor the graph and its inputs kept for the compile
 
     def __call__(self, *args: Any) -> Any:
         if self._compiled is None:

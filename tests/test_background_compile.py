@@ -32,9 +32,11 @@ def _caches_on_and_no_jobs_left(tmp_path, monkeypatch):
     # conftest's TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 was read at import and outranks a setting: undo it here
     monkeypatch.setattr(torch.compiler.config._config["force_disable_caches"], "env_value_force", False)
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", False)
+    background_inductor._stop_child()  # a process another test started has that test's environment
     background_inductor._jobs.clear()
     yield
     assert fxfuse.wait_for_background_compiles(timeout=600)  # nothing left compiling into the next test
+    background_inductor._stop_child()
     background_inductor._jobs.clear()
 
 
@@ -63,8 +65,10 @@ def _assert_close(a, b):
         torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
 
 
-def test_runs_eagerly_until_cached_then_switches_with_the_same_values():
+def test_runs_eagerly_until_cached_then_switches_with_the_same_values(tmp_path, monkeypatch):
     ref, mod = _pair()
+    background_inductor.prestart()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "moved"))  # after the process started: it follows
     compiled = fxfuse.compile(mod, background_compile=True)
     x = torch.randn(3, 8, 16)
 
@@ -78,6 +82,7 @@ def test_runs_eagerly_until_cached_then_switches_with_the_same_values():
     _assert_close(_step(compiled, mod, x), _step(ref, ref, x))  # compiled here from the child's cache entries
     assert job.state == "switched" and (job.eager_calls, job.compiled_calls) == (1, 1)
     assert job.cache_hits["fxgraph_cache_hit"] == 2 and job.cache_hits["fxgraph_cache_miss"] == 0, job.cache_hits
+    assert (tmp_path / "moved" / "fxgraph").is_dir()
     (rep,) = fxfuse.reports()
     assert rep.lowering.startswith("inductor from a background compile")
     assert "lowered by inductor from a background compile" in str(rep)
