@@ -2,14 +2,15 @@
 
 ``options={"background_compile": True}`` (off by default). Without it, the first call of a graph waits for
 Inductor: tracing the joint graph, lowering, code generation, Triton's compiles (and the backward's at the first
-backward), 5-9 s for one Llama-8B layer graph under FSDP2 on the H200 hosts, while the GPUs idle. With it, the backend lowers the
-rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering, the min-cut partition Inductor uses:
-fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph to a compile process,
-which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The calls run the
-AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
+backward), 5-9 s for one Llama-8B layer graph under FSDP2 on the H200 hosts, while the GPUs idle. With it, the
+backend lowers the rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering, the min-cut
+partition Inductor uses: fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph
+to a compile process, which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The
+calls run the AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
 ``compile_fx`` as without the option, its FX graphs now cache hits (AOTAutograd's trace and the loads remain:
 0.5-2.8 s measured), and the calls switch to it. Inductor's cache keys read more than its config, so the child also
-takes this process's thread count, deterministic-algorithms mode and float32 matmul settings. A child that failed only means that compile is cold.
+takes this process's thread count, deterministic-algorithms mode, float32 matmul settings and cache directory. A
+child that failed only means that compile is cold.
 
 Why a process and not a thread: FX's tracer (which AOTAutograd and Inductor's pattern matcher run) patches
 ``torch.nn.Module.__call__`` and ``__getattr__`` process-wide while it traces, and a Dynamo-compiled function refuses
@@ -24,7 +25,8 @@ call is its own autograd node.
 Where it is not used (the reason is in the fusion report's ``lowering``): the graph has symbolic sizes (Inductor may
 add shape guards while it compiles, and a frame's guards are fixed when Dynamo finishes it; Dynamo's second, dynamic
 compile when lengths vary compiles at once, as without the option); the graph cannot be sent to another process (an
-op outside torch and fxfuse, a user's post-grad pass); nothing for Inductor (``compiler="auto"``'s rule) or
+op of a library other than torch and fxfuse, which the compile process does not import; a user's post-grad pass; an
+input view off 16-byte alignment); Inductor's FX graph cache off; nothing for Inductor (``compiler="auto"``'s rule) or
 ``compiler="aot_eager"``. Costs: the first steps run unfused elementwise kernels (slower; larger transient buffers),
 under FSDP a rank's switch stalls the other ranks once at their next collective (each rank switches at its own
 step), and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty.
@@ -319,6 +321,24 @@ def reason_not_to_compile_in_background(gm: fx.GraphModule, example_inputs: Sequ
     return None
 
 
+# Op namespaces a fresh ``import torch, fxfuse`` (the compile process) registers; an op of any other library would
+# not unpickle there
+_KNOWN_OP_NAMESPACES = {"aten", "prims", "fxfuse", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional",
+                        "rngprims"}
+
+
+def _foreign_op(gm: fx.GraphModule) -> Optional[str]:
+    """The first op in ``gm`` of a library the compile process would not have imported, as ``ns::name``, or None."""
+    for node in gm.graph.nodes:
+        t = node.target
+        if node.op != "call_function" or not isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        name = t.name() if isinstance(t, torch._ops.OpOverload) else t._qualified_op_name  # "ns::op[.overload]"
+        if name.split("::")[0] not in _KNOWN_OP_NAMESPACES:
+            return name
+    return None
+
+
 def _graph_to_send(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with its own graph and without its nodes' example values and Dynamo's records of its inputs (which
     hold the real tensors; node meta dicts are copies). AOTAutograd
@@ -455,6 +475,9 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
         raise CannotCompileInBackground("no fake mode (not called by Dynamo)")
     if torch._inductor.config.force_disable_caches or not torch._inductor.config.fx_graph_cache:
         raise CannotCompileInBackground("Inductor's FX graph cache is off (the child hands its work over through it)")
+    foreign = _foreign_op(gm)
+    if foreign is not None:
+        raise CannotCompileInBackground(f"the op {foreign} is another library's: the compile process would not have it")
     t0 = time.perf_counter()
     try:
         sent = _graph_to_send(gm)

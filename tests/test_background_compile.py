@@ -131,6 +131,24 @@ def test_a_users_post_grad_pass_compiles_at_once():
     assert "user's post-grad pass" in rep.lowering
 
 
+def test_an_op_of_another_library_compiles_at_once():
+    # The compile process imports torch and fxfuse only: a graph calling another library's op stays here.
+    @torch.library.custom_op("fxfuse_bg_test::halve", mutates_args=())
+    def halve(x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    @halve.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    x = torch.randn(3, 16)
+    compiled = fxfuse.compile(lambda t: torch.ops.fxfuse_bg_test.halve(t).sin() + 1, background_compile=True)
+    torch.testing.assert_close(compiled(x), (x * 0.5).sin() + 1)
+    assert fxfuse.background_compiles() == []
+    (rep,) = fxfuse.reports()
+    assert "inductor, at once: the op fxfuse_bg_test::halve" in rep.lowering
+
+
 def test_no_switch_between_a_checkpointed_forward_and_its_recompute():
     # The child is done between two checkpointed calls of one step (two layers sharing the graph): the second call
     # must not switch while the first waits for its recompute, and no recompute (inside the backward) may run
