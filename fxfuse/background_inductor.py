@@ -1,12 +1,12 @@
 """Inductor in a background process: a graph runs AOTAutograd-only until a compile of it is in Inductor's caches.
 
-``options={"background_compile": True}`` (off by default). Without it, the first call of a graph waits for
-Inductor: tracing the joint graph, lowering, code generation, Triton's compiles (and the backward's at the first
-backward), 5-9 s for one Llama-8B layer graph under FSDP2 on the H200 hosts, while the GPUs idle. With it, the
-backend lowers the rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering, the min-cut
-partition Inductor uses: fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph
-to a compile process, which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The
-calls run the AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
+``options={"background_compile": True}`` (off by default). Without it, the first call of a graph waits for Inductor:
+tracing the joint graph, lowering, code generation, Triton's compiles (and the backward's at the first backward),
+5-9 s for one Llama-8B layer graph under FSDP2 on the H200 hosts, while the GPUs idle. With it, the backend lowers
+the rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering, the min-cut partition Inductor
+uses: fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph to a compile
+process, which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The calls run the
+AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
 ``compile_fx`` as without the option, its FX graphs now cache hits (AOTAutograd's trace and the loads remain:
 0.5-2.8 s measured), and the calls switch to it. Inductor's cache keys read more than its config, so the child also
 takes this process's thread count, deterministic-algorithms mode, float32 matmul settings and cache directory. A
