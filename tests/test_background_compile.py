@@ -101,6 +101,23 @@ def test_a_dead_child_means_a_cold_compile_at_the_switch():
     assert job.state == "switched" and job.cache_hits["fxgraph_cache_miss"] == 2
 
 
+def test_as_users_call_it_a_new_length_every_batch():
+    # torch.compile with the option and no dynamic=: the first length's graph goes to the compile process; Dynamo's
+    # second, dynamic graph compiles at once (its shape guards must exist before the frame's are fixed), and serves
+    # every later length: two graphs, as under Inductor.
+    ref, mod = _pair()
+    compiled = torch.compile(mod, backend="fxfuse", options={"background_compile": True})
+    for n in (5, 7, 9, 11):
+        x = torch.randn(n, 16)
+        _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    lowerings = [r.lowering for r in fxfuse.reports()]
+    assert len(lowerings) == 2, lowerings
+    assert lowerings[0].startswith("inductor from a background compile")
+    assert lowerings[1].startswith("inductor, at once: symbolic sizes")
+    (job,) = fxfuse.background_compiles()
+    assert job.eager_calls == 1  # the static graph served the first length only
+
+
 def test_symbolic_sizes_compile_at_once():
     ref, mod = _pair()
     compiled = fxfuse.compile(mod, dynamic=True, background_compile=True)
