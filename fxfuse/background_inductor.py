@@ -34,6 +34,7 @@ step), and the compile process holds a CUDA context on its GPU (not measured) un
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -245,6 +246,7 @@ def _child_main() -> None:
                 torch.cuda.set_device(job["device"])
             with tracing(TracingContext(fake_mode)), \
                     torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                _restore_example_values(gm, example_inputs, fake_mode)
                 compile_fx(gm, example_inputs, config_patches=patches)
             _write_message(proto, {"id": job["id"], "ok": True, "seconds": time.perf_counter() - t0, "error": ""})
         except BaseException as e:  # noqa: BLE001  (any failure is the answer, not the child's end)
@@ -357,6 +359,19 @@ def _graph_to_send(gm: fx.GraphModule) -> fx.GraphModule:
     return sent
 
 
+def _restore_example_values(gm: fx.GraphModule, inputs: Sequence[Any], fake_mode) -> None:
+    """Give the sent graph's nodes example values again, the same way in both processes (fake propagation from
+    the sent inputs). AOTAutograd's cache takes a graph only where each method call's receiver has one (its
+    ``check_cacheable``): without them every switch traced and partitioned the graph again (its cache bypassed,
+    only Inductor's FX graph cache hit). Node meta is not part of either cache key; the graph's code is."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta["example_value"] = node.meta.pop("val")
+
+
 def _inputs_to_send(fake_mode, example_inputs: Sequence[Any]) -> List[Any]:
     """Fake copies of the example inputs that GraphPickler can take: a view (FSDP2's unsharded parameters are views
     of the all-gather buffer) becomes a tensor of its own with the same sizes, strides, dtype, device and
@@ -417,6 +432,22 @@ def _checkpoint_phase() -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _saved_tensors_hooks_suspended():
+    """No saved-tensor hooks while the switch compiles: a switch may come inside an activation checkpoint's forward,
+    and whatever the compile runs (loading AOTAutograd's cache entry) must not be packed into that checkpoint's
+    saved tensors, or its recompute would not line up with them."""
+    stack = []
+    while torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        stack.append(torch._C._autograd._top_saved_tensors_default_hooks(True))
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 class _SwitchWhenCached:
     """The callable handed back to Dynamo: the AOTAutograd version until the child is done and the switch is safe
     (module docstring), then ``compile_now()``'s (Inductor's, from its caches)."""
@@ -438,7 +469,8 @@ class _SwitchWhenCached:
         keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                 ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
         before = {k: counters[a][k] for a, k in keys}
-        self._compiled = self._compile_now()  # as without the option: an error here is the compile's own
+        with _saved_tensors_hooks_suspended():
+            self._compiled = self._compile_now()  # as without the option: an error here is the compile's own
         self._job.cache_hits = {k: counters[a][k] - before[k] for a, k in keys}
         self._job.switch_seconds = time.perf_counter() - t0
         self._job.state = "switched"
@@ -493,6 +525,7 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
     def compile_now() -> Callable:
         with compile_context(CompileContext(compile_id)), tracing(TracingContext(fake_mode)), \
                 torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            _restore_example_values(sent, inputs, fake_mode)
             return compile_fx(sent, inputs, config_patches=patches)
 
     job = BackgroundJob(name=name, send_seconds=time.perf_counter() - t0)

@@ -82,6 +82,8 @@ def test_runs_eagerly_until_cached_then_switches_with_the_same_values(tmp_path, 
     _assert_close(_step(compiled, mod, x), _step(ref, ref, x))  # compiled here from the child's cache entries
     assert job.state == "switched" and (job.eager_calls, job.compiled_calls) == (1, 1)
     assert job.cache_hits["fxgraph_cache_hit"] == 2 and job.cache_hits["fxgraph_cache_miss"] == 0, job.cache_hits
+    # AOTAutograd's own entry too: the switch neither traces nor partitions the graph again
+    assert job.cache_hits["autograd_cache_hit"] == 1, job.cache_hits
     assert (tmp_path / "moved" / "fxgraph").is_dir()
     (rep,) = fxfuse.reports()
     assert rep.lowering.startswith("inductor from a background compile")
@@ -226,6 +228,7 @@ def test_compile_regions_sends_fused_layers_and_keeps_the_loss():
     assert jobs and all(j.state == "cached" for j in jobs), [j.error for j in jobs]
     close(step(model), step(ref))
     assert all(j.state == "switched" and j.cache_hits["fxgraph_cache_hit"] == 2 for j in jobs)
+    assert all(j.cache_hits["autograd_cache_hit"] == 1 for j in jobs), [j.cache_hits for j in jobs]
     lowerings = sorted(r.lowering.split(" (")[0].split(":")[0] for r in fxfuse.reports())
     assert "aot_eager" in lowerings and "inductor from a background compile" in lowerings
 
