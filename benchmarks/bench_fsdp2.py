@@ -275,7 +275,7 @@ def main(impl):
         with open(os.path.join(os.environ.get("OUT", "/tmp"), name), "w") as f:
             f.write(buf.getvalue())
     breakdown = first_step_breakdown(timer, split)
-    early_ms, to_compiled = [], None
+    early_ms, to_compiled, switch_step = [], None, {}
     if background:  # steps until every graph ran Inductor's version in a step (each step synced by its loss)
         while len(early_ms) < int(os.environ.get("FSDP_BACKGROUND_MAX_STEPS", 80)):
             before = {j.name: j.compiled_calls for j in fxfuse.background_compiles()}
@@ -285,6 +285,9 @@ def main(impl):
             if rank == 0:
                 print(f"early step {len(early_ms)}: {early_ms[-1]} ms, jobs "
                       f"{[(j.state, j.eager_calls) for j in fxfuse.background_compiles()]}", file=sys.stderr)
+            for i, j in enumerate(fxfuse.background_compiles()):  # the early step (1-based) of each switch here
+                if j.state == "switched" and i not in switch_step:
+                    switch_step[i] = len(early_ms)
             done = all(j.state == "switched" and j.compiled_calls > before.get(j.name, 0)
                        for j in fxfuse.background_compiles())
             # Every rank must run as many steps (FSDP's collectives pair up): the ranks switch at different steps
@@ -294,6 +297,9 @@ def main(impl):
             if flag.item() == 1.0:
                 to_compiled = time.perf_counter() - t0  # the end of the first step every graph ran compiled
                 break
+        switch_steps_by_rank = [None] * dist.get_world_size()  # whether the ranks switched each graph together
+        mine = [switch_step.get(i) for i in range(len(fxfuse.background_compiles()))]
+        dist.all_gather_object(switch_steps_by_rank, mine)
     for _ in range(2):
         step()
     sync()
@@ -329,8 +335,9 @@ def main(impl):
                    background_jobs=[dict(name=j.name, state=j.state, send_s=round(j.send_seconds, 2),
                                          child_s=round(j.child_seconds, 2),
                                          switch_s=round(j.switch_seconds, 2), cache=j.cache_hits,
-                                         eager_calls=j.eager_calls, error=j.error[:300])
-                                    for j in fxfuse.background_compiles()])
+                                         eager_calls=j.eager_calls, error=j.error[:300], note=j.note)
+                                    for j in fxfuse.background_compiles()],
+                   switch_steps_by_rank=switch_steps_by_rank)
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
 

@@ -7,8 +7,8 @@ the rewritten graph with AOTAutograd alone (``compiler="aot_eager"``'s lowering,
 uses: fxfuse's fused ops run their kernels, the rest ATen's eager ones) and hands the same graph to a compile
 process, which compiles it with Inductor (forward and backward) into Inductor's on-disk caches. The calls run the
 AOTAutograd version meanwhile; at the first safe call after the process is done, the graph is compiled here with
-``compile_fx`` as without the option, its FX graphs now cache hits (AOTAutograd's trace and the loads remain:
-0.5-2.8 s measured), and the calls switch to it. Inductor's cache keys read more than its config, so the child also
+``compile_fx`` as without the option, AOTAutograd's entry and its FX graphs now cache hits (what remains is
+loading them), and the calls switch to it. Inductor's cache keys read more than its config, so the child also
 takes this process's thread count, deterministic-algorithms mode, float32 matmul settings and cache directory. A
 child that failed only means that compile is cold.
 
@@ -28,8 +28,15 @@ compile when lengths vary compiles at once, as without the option); the graph ca
 op of a library other than torch and fxfuse, which the compile process does not import; a user's post-grad pass; an
 input view off 16-byte alignment); Inductor's FX graph cache off; nothing for Inductor (``compiler="auto"``'s rule) or
 ``compiler="aot_eager"``. Costs: the first steps run unfused elementwise kernels (slower; larger transient buffers),
-under FSDP a rank's switch stalls the other ranks once at their next collective (each rank switches at its own
-step), and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty.
+and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty.
+
+Several ranks (a default process group of more than one): a rank's switch takes seconds, during which the other
+ranks wait at their next collective. Were each rank to switch when its own child is done, every rank's switch would
+stall the others in turn. So a graph is ready to switch only once every rank's child is done with it: each rank
+counts itself in on the group's store (the key: the graph's name and how many graphs of that name came before; a
+thread waits there, never the training loop), and the ranks, in step with each other, then switch at about the
+same call. A rank that does not come within :data:`RANKS_AGREE_TIMEOUT_S` (it compiled that graph at once, or
+crashed) only means the others switch on their own: this decides when, never what, runs.
 :func:`wait_for_background_compiles` waits for every child compile; :func:`background_compiles` lists them.
 """
 from __future__ import annotations
@@ -48,7 +55,8 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
@@ -75,11 +83,35 @@ class BackgroundJob:
     eager_calls: int = 0  # calls that ran the AOTAutograd version
     compiled_calls: int = 0
     cache_hits: Dict[str, int] = field(default_factory=dict)  # the compile here: Inductor's counters
+    note: str = ""  # e.g. why the ranks did not switch together
     _future: Optional[Future] = field(default=None, repr=False)
 
 
 _jobs: List[BackgroundJob] = []
 _lock = threading.Lock()
+RANKS_AGREE_TIMEOUT_S = 120.0  # how long a rank whose child is done waits for the other ranks' (module docstring)
+
+
+# -- the ranks' agreement ------------------------------------------------------------------------------------
+def _ranks_to_agree() -> Optional[Tuple[Any, int]]:
+    """(the default process group's store, its world size) where it has more than one rank, else None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.distributed_c10d._get_default_store(), dist.get_world_size()
+
+
+def _agree(key: str, store: Any, world_size: int, job: BackgroundJob, ready: Future) -> None:
+    """On its own thread: count this rank in under ``key``; the last rank to come says so under ``key/all``, which
+    every rank waits for. Then the graph may switch here."""
+    try:
+        if store.add(key, 1) >= world_size:
+            store.set(key + "/all", "1")
+        store.wait([key + "/all"], timedelta(seconds=RANKS_AGREE_TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001  (timed out, or the store is gone: switch on this rank's own)
+        job.note = f"switched without the other ranks: {type(e).__name__}: {e}"[:300]
+    ready.set_result(None)
 
 
 # -- the compile child ---------------------------------------------------------------------------------------
@@ -532,16 +564,23 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
     eager_fn = lower_eagerly(gm, example_inputs)
     with _lock:
         job_id = len(_jobs)
+        same_name = sum(j.name == name for j in _jobs)
         _jobs.append(job)
-    fut = _submit(job_id, payload)
+    ranks = _ranks_to_agree()
+    ready: Future = Future()  # the child is done, and so are the other ranks' (module docstring)
 
     def done(f: Future, job=job) -> None:
         msg = f.result()
         job.child_seconds = msg["seconds"]
         if job.state == "compiling":
             job.state, job.error = ("cached", "") if msg["ok"] else ("failed", msg["error"])
-    fut.add_done_callback(done)
-    job._future = fut
+        if ranks is None:
+            ready.set_result(None)
+        else:
+            threading.Thread(target=_agree, args=(f"fxfuse/background_compile/{name}/{same_name}", *ranks, job,
+                                                  ready), name="fxfuse-background-ranks", daemon=True).start()
+    job._future = ready
+    _submit(job_id, payload).add_done_callback(done)
     return _SwitchWhenCached(eager_fn, compile_now, job)
 
 
@@ -557,9 +596,10 @@ def background_compiles() -> List[BackgroundJob]:
 
 
 def wait_for_background_compiles(timeout: Optional[float] = None) -> bool:
-    """Wait for every compile child job; True if none is left running (``timeout`` seconds at most, None: no
-    limit). The graphs switch to Inductor's version at their next safe call; a failed child compile counts as
-    finished (that switch then compiles cold)."""
+    """Wait for every compile child job (and, with several ranks, for the other ranks' children: module
+    docstring); True if none is left running (``timeout`` seconds at most, None: no limit). The graphs switch to
+    Inductor's version at their next safe call; a failed child compile counts as finished (that switch then
+    compiles cold)."""
     import concurrent.futures as cf
 
     futures = [j._future for j in background_compiles() if j._future is not None]

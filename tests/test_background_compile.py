@@ -3,6 +3,8 @@ compile process fills Inductor's caches with it; at the first safe call after, i
 and the calls switch, never inside a backward or between an activation checkpoint's forward and its recompute.
 Values and gradients match the module run eagerly on both sides of the switch. Inductor's caches are on here (a
 temporary directory), unlike the rest of the suite: they are how the child hands its work over."""
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -88,6 +90,40 @@ def test_runs_eagerly_until_cached_then_switches_with_the_same_values(tmp_path, 
     (rep,) = fxfuse.reports()
     assert rep.lowering.startswith("inductor from a background compile")
     assert "lowered by inductor from a background compile" in str(rep)
+
+
+def test_several_ranks_switch_once_every_ranks_child_is_done(monkeypatch):
+    # Two ranks stood in by a store: this rank's child is done, the other rank's is not, so no switch yet; once the
+    # other rank counts itself in, the graph switches at the next call. A rank that never comes delays, never blocks.
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(background_inductor, "_ranks_to_agree", lambda: (store, 2))
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True)
+    x = torch.randn(3, 16)
+    _step(compiled, mod, x)
+    (job,) = fxfuse.background_compiles()
+    key = f"fxfuse/background_compile/{job.name}/0"
+    deadline = time.monotonic() + 600
+    while job.state == "compiling" and time.monotonic() < deadline:  # this rank's child finishes...
+        time.sleep(0.05)
+    assert not fxfuse.wait_for_background_compiles(timeout=0.5)  # ...the other rank's has not come
+    assert job.state == "cached" and store.add(key, 0) == 1
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert (job.eager_calls, job.compiled_calls) == (2, 0)
+    store.add(key, 1)  # the other rank's child is done: the last to come says so
+    store.set(key + "/all", "1")
+    assert fxfuse.wait_for_background_compiles(timeout=60)
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert job.state == "switched" and (job.eager_calls, job.compiled_calls) == (2, 1) and job.note == ""
+
+    monkeypatch.setattr(background_inductor, "RANKS_AGREE_TIMEOUT_S", 0.5)
+    torch._dynamo.reset()  # a second graph of the same code
+    compiled = fxfuse.compile(_Mlp(), background_compile=True)
+    _step(compiled, compiled, x)
+    assert fxfuse.wait_for_background_compiles(timeout=60)  # the other rank never comes: switched all the same
+    _step(compiled, compiled, x)
+    late = fxfuse.background_compiles()[1]
+    assert late.state == "switched" and "without the other ranks" in late.note, late.note
 
 
 def test_a_dead_child_means_a_cold_compile_at_the_switch():
