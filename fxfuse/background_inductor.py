@@ -247,6 +247,9 @@ def _child_main() -> None:
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from torch or Inductor must not reach the protocol
     importlib.import_module("fxfuse")  # registers torch.ops.fxfuse.*, which the graphs call
+    # Tracing a fused op starts compiling its Triton kernels ahead (kernels/background_compile.py): the training
+    # process does that, here it would only take cores from Inductor
+    importlib.import_module("fxfuse.kernels.background_compile").ENABLED = False
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses import FakeTensorMode

@@ -223,6 +223,55 @@ def test_forward_prewarms_the_backward_grad_x_launch(monkeypatch):
     assert [dict(k[2])["RP"] for k in asked] == [16, 32]
 
 
+def test_tracing_the_forward_op_prewarms_its_launches(monkeypatch):
+    """The forward op's fake impl (fxfuse's passes and AOTAutograd trace it seconds before the first real call) asks
+    for every low-rank GEMM specialisation the real forward and its backward's grad x will launch, from fake
+    tensors: a q/k/v sibling group whose projections' widths make two forward kernels, and grad x's. The keys are
+    the real launches'; a second trace of the layout asks for nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    monkeypatch.setattr(K, "_grad_x_prewarmed", set())
+    monkeypatch.setattr(K, "_forward_prewarmed", set())
+    asked, launched = [], []
+    real = K.lowrank_gemm
+
+    def prewarm(a, b, v, u, bias=None, b_kn=False, u_kn=False, device=None):
+        assert a.is_meta and b.is_meta and v.is_meta and u.is_meta and device == torch.device("cpu")
+        assert G.lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device)
+        c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]), device="meta")
+        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, device, torch.empty(64))
+        asked.append(G._specialisation(device, a.dtype, args, consts))
+
+    def launch(a, b, v, u, bias=None, b_kn=False, u_kn=False):
+        c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]))
+        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
+        launched.append(G._specialisation(a.device, a.dtype, args, consts))
+        return real(a, b, v, u, bias, b_kn=b_kn, u_kn=u_kn)
+
+    monkeypatch.setattr(K, "lowrank_gemm_prewarm", prewarm)
+    monkeypatch.setattr(K, "lowrank_gemm", launch)
+    g = torch.Generator().manual_seed(4)
+    N, din, r, douts = 40, 32, 8, (32, 8, 8)  # 32 and 8 columns: divisible by 16 or not, two forward kernels
+    x = torch.randn(N, din, generator=g)
+    Ws = [torch.randn(d, din, generator=g) for d in douts]
+    A = torch.randn(3 * r, din, generator=g)
+    Bs = [torch.randn(d, r, generator=g) for d in douts]
+    seeds = K.draw_seeds(3, "cpu")
+    adapters = ([r] * 3, [1] * 3, [2.0] * 3, [0.0] * 3)
+    with FakeTensorMode() as mode:
+        fake = lambda t: mode.from_tensor(t)  # noqa: E731
+        for _ in range(2):
+            torch.ops.fxfuse.lora_linear_fwd(fake(x), [fake(w) for w in Ws], [], [-1] * 3, fake(A),
+                                             [fake(b) for b in Bs], fake(seeds), *adapters)
+    assert len(asked) == 4 and not launched  # three projections and grad x, asked once
+    ys, V = K.lora_forward(x, Ws, [None] * 3, A, Bs, seeds, *adapters)
+    K.lora_backward([torch.randn_like(y) for y in ys], x, Ws, A, Bs, V, seeds, *adapters,
+                    True, False, False, False, False)
+    assert len(asked) == 4  # the real forward found its layout asked for already
+    assert set(asked) == set(launched) and len(set(launched)) == 3, (asked, launched)
+
+
 def test_launch_waits_for_a_warm_up_of_its_specialisation():
     """A launch whose specialisation a background warm-up is still compiling waits for that compile (instead of
     compiling the kernel a second time beside it) and then runs."""

@@ -49,7 +49,7 @@ from . import background_compile
 from .lowrank_gemm import lowrank_gemm, lowrank_gemm_prewarm, lowrank_gemm_supported
 from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tl, triton, use_triton
 
-__all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "FORCE_TRITON", "draw_seeds",
+__all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "prewarm", "FORCE_TRITON", "draw_seeds",
            "max_offset", "needs_int64_idx"]
 
 #: Run the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1); for tests.
@@ -459,19 +459,58 @@ def _down_dropout(x, A_run, V_run, seeds_run, na, r, s, p):
 _grad_x_prewarmed: set = set()
 
 
-def _prewarm_grad_x(x, W0, A):
+def _meta_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A meta tensor with ``t``'s sizes and strides (``dtype``: another dtype): what a warm-up reads of an operand."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype if dtype is None else dtype, device="meta")
+
+
+def _prewarm_grad_x(x, W0, A, device: Optional[torch.device] = None):
     """Start compiling the low-rank GEMM specialisation this call's backward will launch for grad x
     (``lora_backward``: ``gy_0 @ W_0 + gV @ A`` with gy_0 [N, dout_0] and gV [N, R] fresh and contiguous), so its
     Triton JIT overlaps the rest of the forward instead of stalling the first backward (``background_compile.py``). Once
-    per layout: the set check is all a later call pays."""
+    per layout: the set check is all a later call pays. ``device``: where operands given as meta tensors live."""
+    device = x.device if device is None else device
     N = x.shape[0]
-    key = (x.device, x.dtype, N % 16 == 0, tuple(W0.shape), W0.stride(), W0.dtype, A.shape[0], A.dtype)
+    key = (device, x.dtype, N % 16 == 0, tuple(W0.shape), W0.stride(), W0.dtype, A.shape[0], A.dtype)
     if key in _grad_x_prewarmed:
         return
     _grad_x_prewarmed.add(key)
     meta = lambda *shape: torch.empty(shape, dtype=x.dtype, device="meta")  # noqa: E731
     Ac = A if A.dtype == x.dtype else meta(*A.shape)  # the backward's _compute_dtype(A, x.dtype)
-    lowrank_gemm_prewarm(meta(N, W0.shape[0]), W0, meta(N, A.shape[0]), Ac, b_kn=True, u_kn=True, device=x.device)
+    lowrank_gemm_prewarm(meta(N, W0.shape[0]), W0, meta(N, A.shape[0]), Ac, b_kn=True, u_kn=True, device=device)
+
+
+_forward_prewarmed: set = set()
+
+
+def prewarm(x, weights, biases, A, Bs, ranks, counts, dropout_p) -> None:
+    """From the forward op's fake impl, which runs while fxfuse's passes check the rewritten graph and again while
+    AOTAutograd traces it, seconds before the first real call: start compiling the low-rank GEMM specialisations
+    :func:`lora_forward` will launch (one per projection layout) and its backward's grad x on the warm-up threads,
+    so the first forward finds them compiled or in flight instead of compiling each at its launch. Reads only
+    shapes, strides, dtypes and the device (fake tensors welcome); nothing where the sizes are symbolic, off
+    Triton, or with dropout (the dropout path launches other kernels; :func:`lowrank_gemm_prewarm` starts nothing
+    but on CUDA)."""
+    if not (background_compile.ENABLED and use_triton(x, FORCE_TRITON)) or any(p != 0 for p in dropout_p):
+        return
+    tensors = [x, A, *weights, *Bs, *(b for b in biases if b is not None)]
+    if any(not isinstance(d, int) for t in tensors for d in (*t.shape, *t.stride())):
+        return  # symbolic: the launch's divisibility by 16 is not known yet
+    device, N = x.device, x.shape[0]
+    key = (device, x.dtype, N % 16 == 0, tuple((tuple(w.shape), w.stride(), w.dtype) for w in weights),
+           tuple(b is not None for b in biases), A.shape[0], A.dtype, tuple(B.dtype for B in Bs), tuple(ranks),
+           tuple(counts))
+    if key in _forward_prewarmed:
+        return
+    _forward_prewarmed.add(key)
+    # Outside the tracing modes (fake, functional, proxy): the stand-ins are plain meta tensors, nothing is recorded
+    with torch.utils._python_dispatch._disable_current_modes():
+        xm = _meta_like(x)
+        V = torch.empty((N, A.shape[0]), dtype=x.dtype, device="meta")  # as lora_forward makes it (torch.mm's)
+        for W, b, B, cols in zip(weights, biases, Bs, _projection_slices(counts, ranks)):
+            lowrank_gemm_prewarm(xm, _meta_like(W), V[:, cols], _meta_like(B, x.dtype),
+                                 None if b is None else _meta_like(b), device=device)
+        _prewarm_grad_x(xm, _meta_like(weights[0]), _meta_like(A), device=device)
 
 
 def lora_forward(x, weights, biases, A, Bs, seeds, ranks, counts, scalings, dropout_p):
