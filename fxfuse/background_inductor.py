@@ -28,7 +28,9 @@ compile when lengths vary compiles at once, as without the option); the graph ca
 op of a library other than torch and fxfuse, which the compile process does not import; a user's post-grad pass; an
 input view off 16-byte alignment); Inductor's FX graph cache off; nothing for Inductor (``compiler="auto"``'s rule) or
 ``compiler="aot_eager"``. Costs: the first steps run unfused elementwise kernels (slower; larger transient buffers),
-and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty.
+and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty. Its Inductor
+worker pool takes its share of the host's cores (the cores over torchrun's ranks on the host, less one for the
+rank's own process), not Inductor's default of up to 32 per process.
 
 Several ranks (a default process group of more than one): a rank's switch takes seconds, during which the other
 ranks wait at their next collective. Were each rank to switch when its own child is done, every rank's switch would
@@ -78,7 +80,8 @@ class BackgroundJob:
     state: str = "compiling"
     send_seconds: float = 0.0  # here, in the first call: the graph and its inputs prepared and pickled
     child_seconds: float = 0.0  # the child's compile (its wall time)
-    switch_seconds: float = 0.0  # the compile here at the switch (the cache hits, AOTAutograd's trace)
+    switch_seconds: float = 0.0  # the compile here at the switch (loading the cache entries)
+    queued_seconds: float = 0.0  # from sending it to the child's start on it (its imports, earlier jobs)
     error: str = ""
     eager_calls: int = 0  # calls that ran the AOTAutograd version
     compiled_calls: int = 0
@@ -144,6 +147,7 @@ class _Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         log = os.environ.get("FXFUSE_BACKGROUND_LOG")  # the child's stderr (Inductor's logs, with TORCH_LOGS)
+        env["FXFUSE_BACKGROUND_RANKS_HERE"] = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun's: cores to share
         self.proc = subprocess.Popen([sys.executable, "-m", "fxfuse.background_inductor"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env,
                                      stderr=open(log, "ab") if log else subprocess.DEVNULL)
@@ -186,6 +190,7 @@ class _Child:
 
     def submit(self, job_id: int, data: bytes) -> Optional[Future]:
         fut: Future = Future()
+        fut.submitted_at = time.time()  # the child's answer says when it started on it
         with _lock:
             if self.closed or self.proc.poll() is not None:
                 return None
@@ -256,17 +261,24 @@ def _child_main() -> None:
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # Inductor's pool: this process's share of the cores
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, int(os.environ.get("FXFUSE_BACKGROUND_RANKS_HERE", "1"))) - 1)
+    else:
+        threads = None
     stdin = sys.stdin.buffer
     while True:
         try:
             job = _read_message(stdin)
         except EOFError:
             return
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         try:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = job["cache_dir"]  # the parent's now (it may have moved)
             if job.get("inductor_config") is not None:
                 torch._inductor.config.load_config(job["inductor_config"])
+            if threads is not None:  # not part of any cache key
+                torch._inductor.config.compile_threads = min(threads, torch._inductor.config.compile_threads or threads)
             _apply_process_settings(job["settings"])
             fake_mode = FakeTensorMode(shape_env=ShapeEnv())
             gm, example_inputs = GraphPickler.loads(job["graph"], fake_mode)
@@ -283,10 +295,12 @@ def _child_main() -> None:
                     torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 _restore_example_values(gm, example_inputs, fake_mode)
                 compile_fx(gm, example_inputs, config_patches=patches)
-            _write_message(proto, {"id": job["id"], "ok": True, "seconds": time.perf_counter() - t0, "error": ""})
+            _write_message(proto, {"id": job["id"], "ok": True, "seconds": time.perf_counter() - t0, "error": "",
+                                   "started_at": started_at})
         except BaseException as e:  # noqa: BLE001  (any failure is the answer, not the child's end)
             _write_message(proto, {"id": job["id"], "ok": False, "seconds": time.perf_counter() - t0,
-                                   "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"})
+                                   "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}",
+                                   "started_at": started_at})
 
 
 def _process_settings() -> Dict[str, Any]:
@@ -575,6 +589,8 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
     def done(f: Future, job=job) -> None:
         msg = f.result()
         job.child_seconds = msg["seconds"]
+        if "started_at" in msg and hasattr(f, "submitted_at"):
+            job.queued_seconds = max(0.0, msg["started_at"] - f.submitted_at)
         if job.state == "compiling":
             job.state, job.error = ("cached", "") if msg["ok"] else ("failed", msg["error"])
         if ranks is None:
