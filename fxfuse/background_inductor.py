@@ -148,8 +148,6 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         log = os.environ.get("FXFUSE_BACKGROUND_LOG")  # the child's stderr (Inductor's logs, with TORCH_LOGS)
         env["FXFUSE_BACKGROUND_RANKS_HERE"] = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun's: cores to share
-        # the GPU the graphs will be on, so the child sets it up while it waits for the first one
-        env["FXFUSE_BACKGROUND_DEVICE"] = str(torch.cuda.current_device()) if torch.cuda.is_initialized() else ""
         self.proc = subprocess.Popen([sys.executable, "-m", "fxfuse.background_inductor"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env,
                                      stderr=open(log, "ab") if log else subprocess.DEVNULL)
@@ -253,7 +251,6 @@ def _child_main() -> None:
     which leaves the FX graphs in its on-disk caches; answer with the time or the error."""
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from torch or Inductor must not reach the protocol
-    threads = _start_compile_workers()
     importlib.import_module("fxfuse")  # registers torch.ops.fxfuse.*, which the graphs call
     # Tracing a fused op starts compiling its Triton kernels ahead (kernels/background_compile.py): the training
     # process does that, here it would only take cores from Inductor
@@ -264,6 +261,11 @@ def _child_main() -> None:
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # Inductor's pool: this process's share of the cores
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, int(os.environ.get("FXFUSE_BACKGROUND_RANKS_HERE", "1"))) - 1)
+    else:
+        threads = None
     stdin = sys.stdin.buffer
     while True:
         try:
@@ -299,29 +301,6 @@ def _child_main() -> None:
             _write_message(proto, {"id": job["id"], "ok": False, "seconds": time.perf_counter() - t0,
                                    "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}",
                                    "started_at": started_at})
-
-
-def _start_compile_workers() -> Optional[int]:
-    """In the child, before its first job: Inductor's worker pool sized to this process's share of the host's cores
-    (module docstring), started now so its workers import torch while the child imports Inductor's compiler and
-    waits for the first graph; the graphs' GPU set up too. Returns the pool's size (None: the user's TORCHINDUCTOR_COMPILE_THREADS
-    stands)."""
-    device = os.environ.get("FXFUSE_BACKGROUND_DEVICE", "")
-    if device:
-        torch.cuda.set_device(int(device))
-    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
-        return None
-    importlib.import_module("torch._inductor.config")  # (an import statement would make torch a local name here)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, int(os.environ.get("FXFUSE_BACKGROUND_RANKS_HERE", "1"))) - 1)
-    torch._inductor.config.compile_threads = min(threads, torch._inductor.config.compile_threads or threads)
-    try:
-        from torch._inductor.async_compile import AsyncCompile
-
-        AsyncCompile.warm_pool()  # a no-op for a single thread
-    except Exception:  # noqa: BLE001  (an older or newer Inductor: the pool starts at the first compile instead)
-        pass
-    return threads
 
 
 def _process_settings() -> Dict[str, Any]:
