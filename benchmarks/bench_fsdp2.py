@@ -334,6 +334,7 @@ def main(impl):
                    to_compiled_s=round(to_compiled, 1) if to_compiled is not None else None,
                    background_jobs=[dict(name=j.name, state=j.state, send_s=round(j.send_seconds, 2),
                                          child_s=round(j.child_seconds, 2), queued_s=round(j.queued_seconds, 2),
+                                         child_startup_s=j.child_startup,
                                          switch_s=round(j.switch_seconds, 2), cache=j.cache_hits,
                                          eager_calls=j.eager_calls, error=j.error[:300], note=j.note)
                                     for j in fxfuse.background_compiles()],

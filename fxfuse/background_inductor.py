@@ -82,6 +82,9 @@ class BackgroundJob:
     child_seconds: float = 0.0  # the child's compile (its wall time)
     switch_seconds: float = 0.0  # the compile here at the switch (loading the cache entries)
     queued_seconds: float = 0.0  # from sending it to the child's start on it (its imports, earlier jobs)
+    #: the child's start-up, seconds from its launch: "fxfuse" (imported: torch, Triton, fxfuse's ops and passes),
+    #: "inductor" (Inductor's compiler imported, ready for jobs)
+    child_startup: Dict[str, float] = field(default_factory=dict)
     error: str = ""
     eager_calls: int = 0  # calls that ran the AOTAutograd version
     compiled_calls: int = 0
@@ -148,6 +151,7 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         log = os.environ.get("FXFUSE_BACKGROUND_LOG")  # the child's stderr (Inductor's logs, with TORCH_LOGS)
         env["FXFUSE_BACKGROUND_RANKS_HERE"] = os.environ.get("LOCAL_WORLD_SIZE", "1")  # torchrun's: cores to share
+        env["FXFUSE_BACKGROUND_LAUNCHED_AT"] = repr(time.time())  # the child times its start-up from here
         self.proc = subprocess.Popen([sys.executable, "-m", "fxfuse.background_inductor"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env,
                                      stderr=open(log, "ab") if log else subprocess.DEVNULL)
@@ -251,7 +255,9 @@ def _child_main() -> None:
     which leaves the FX graphs in its on-disk caches; answer with the time or the error."""
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from torch or Inductor must not reach the protocol
+    launched = float(os.environ.get("FXFUSE_BACKGROUND_LAUNCHED_AT", time.time()))
     importlib.import_module("fxfuse")  # registers torch.ops.fxfuse.*, which the graphs call
+    startup = {"fxfuse": time.time() - launched}
     # Tracing a fused op starts compiling its Triton kernels ahead (kernels/background_compile.py): the training
     # process does that, here it would only take cores from Inductor
     importlib.import_module("fxfuse.kernels.background_compile").ENABLED = False
@@ -261,6 +267,7 @@ def _child_main() -> None:
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    startup["inductor"] = time.time() - launched
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # Inductor's pool: this process's share of the cores
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = max(1, cores // max(1, int(os.environ.get("FXFUSE_BACKGROUND_RANKS_HERE", "1"))) - 1)
@@ -296,11 +303,11 @@ def _child_main() -> None:
                 _restore_example_values(gm, example_inputs, fake_mode)
                 compile_fx(gm, example_inputs, config_patches=patches)
             _write_message(proto, {"id": job["id"], "ok": True, "seconds": time.perf_counter() - t0, "error": "",
-                                   "started_at": started_at})
+                                   "started_at": started_at, "startup": startup})
         except BaseException as e:  # noqa: BLE001  (any failure is the answer, not the child's end)
             _write_message(proto, {"id": job["id"], "ok": False, "seconds": time.perf_counter() - t0,
                                    "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}",
-                                   "started_at": started_at})
+                                   "started_at": started_at, "startup": startup})
 
 
 def _process_settings() -> Dict[str, Any]:
@@ -591,6 +598,7 @@ def compile_in_background(gm: fx.GraphModule, example_inputs: Sequence[Any], pat
         job.child_seconds = msg["seconds"]
         if "started_at" in msg and hasattr(f, "submitted_at"):
             job.queued_seconds = max(0.0, msg["started_at"] - f.submitted_at)
+        job.child_startup = {k: round(v, 2) for k, v in msg.get("startup", {}).items()}
         if job.state == "compiling":
             job.state, job.error = ("cached", "") if msg["ok"] else ("failed", msg["error"])
         if ranks is None:
