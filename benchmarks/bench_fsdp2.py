@@ -28,7 +28,8 @@ length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes tu
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
 too), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
-switch's seconds, the cache hits at the switch), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top
+switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
+script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top
 functions in ``$OUT/cprofile-IMPL.txt``: the first step's time is then inflated, compare it between impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the
 lm-head pass off (the anchor probe's third row).
 """
@@ -160,6 +161,9 @@ def main(impl):
 
     import fxfuse
 
+    early = os.environ.get("FSDP_BACKGROUND_EARLY") == "1" and os.environ.get("FSDP_BACKGROUND") == "1"
+    if early:  # the compile process started before the model is built, not at compile_regions()
+        fxfuse.start_background_compile_process()
     timer = None
     if dev.type == "cuda":
         timer = _TritonJitTimer()
@@ -330,7 +334,8 @@ def main(impl):
                rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown,
                peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None)
     if background:  # the steps between the first and the first all-compiled one, and each graph's compile
-        row.update(background_compile=True, early_steps_ms=early_ms,
+        row.update(background_compile=True, background_process_started="script start" if early else "compile call",
+                   early_steps_ms=early_ms,
                    to_compiled_s=round(to_compiled, 1) if to_compiled is not None else None,
                    background_jobs=[dict(name=j.name, state=j.state, send_s=round(j.send_seconds, 2),
                                          child_s=round(j.child_seconds, 2), queued_s=round(j.queued_seconds, 2),

@@ -13,9 +13,9 @@
     fxfuse.uninstall()
 
 Public API: :func:`compile`, :func:`compile_regions`, :func:`install` / :func:`uninstall`, :func:`report`, :func:`reports`,
-:func:`clear_reports`, :func:`debug`, :func:`wait_for_background_compiles` / :func:`background_compiles` (the
-``background_compile`` option), :mod:`fxfuse.ops` (fused ops callable directly), the error classes, and
-:func:`register_pass` for pass authors. ``python -m fxfuse --help`` lists the command-line tools (demo, report,
+:func:`clear_reports`, :func:`debug`, :func:`wait_for_background_compiles` / :func:`background_compiles` /
+:func:`start_background_compile_process` (the ``background_compile`` option), :mod:`fxfuse.ops` (fused ops callable
+directly), the error classes, and :func:`register_pass` for pass authors. ``python -m fxfuse --help`` lists the command-line tools (demo, report,
 doctor).
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ except ImportError:
 from .api import clear_reports, compile, report, reports  # noqa: E402  (compile: fxfuse.compile, not the builtin)
 from .inductor_hook import install, uninstall  # noqa: E402
 from .regions import compile_regions, undo_compile_regions  # noqa: E402
-from .background_inductor import background_compiles, wait_for_background_compiles  # noqa: E402
+from .background_inductor import (  # noqa: E402
+    background_compiles, start_background_compile_process, wait_for_background_compiles)
 from .ops.trl_fused_head import install_trl_shim_on_import as _install_trl_shim  # noqa: E402
 
 # TRL's fused lm-head becomes one graph node instead of a graph break (fxfuse.ops.trl_fused_head): now if TRL's
@@ -55,7 +56,7 @@ _install_trl_shim()
 
 __all__ = [
     "compile", "compile_regions", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
-    "background_compiles", "wait_for_background_compiles",
+    "background_compiles", "start_background_compile_process", "wait_for_background_compiles",
     "registered_passes", "PassOption", "FusionReport", "SiteRecord", "FxFuseError", "FxFuseContractError",
     "FxFusePassError", "FxFuseValidationError", "FxFuseOptionsError", "PassRegistrationError", "__version__",
 ]

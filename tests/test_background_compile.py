@@ -126,6 +126,23 @@ def test_several_ranks_switch_once_every_ranks_child_is_done(monkeypatch):
     assert late.state == "switched" and "without the other ranks" in late.note, late.note
 
 
+def test_the_process_started_early_serves_the_first_graph():
+    # Started at the top of a script (before the model exists): that process, and no second one, takes the graph
+    fxfuse.start_background_compile_process()
+    fxfuse.start_background_compile_process()
+    pid = background_inductor._child.proc.pid
+    ref, mod = _pair()
+    compiled = fxfuse.compile(mod, background_compile=True)
+    x = torch.randn(3, 16)
+    _step(compiled, mod, x)
+    assert fxfuse.wait_for_background_compiles(timeout=600)
+    (job,) = fxfuse.background_compiles()
+    assert background_inductor._child.proc.pid == pid and job.state == "cached", job.error
+    assert 0 < job.child_startup["fxfuse"] <= job.child_startup["inductor"]
+    _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
+    assert job.state == "switched"
+
+
 def test_a_dead_child_means_a_cold_compile_at_the_switch():
     ref, mod = _pair()
     compiled = fxfuse.compile(mod, background_compile=True)
