@@ -15,8 +15,8 @@
 Public API: :func:`compile`, :func:`compile_regions`, :func:`install` / :func:`uninstall`, :func:`report`, :func:`reports`,
 :func:`clear_reports`, :func:`debug`, :func:`wait_for_background_compiles` / :func:`background_compiles` /
 :func:`start_background_compile_process` (the ``background_compile`` option), :mod:`fxfuse.ops` (fused ops callable
-directly), the error classes, and :func:`register_pass` for pass authors. ``python -m fxfuse --help`` lists the command-line tools (demo, report,
-doctor).
+directly), the error classes, and :func:`register_pass` for pass authors. ``python -m fxfuse --help`` lists the
+command-line tools (demo, report, doctor).
 """
 from __future__ import annotations
 

@@ -49,8 +49,8 @@ from . import background_compile
 from .lowrank_gemm import lowrank_gemm, lowrank_gemm_prewarm, lowrank_gemm_supported
 from .triton_support import HAVE_TRITON, dot_pad, interpreting, sm_count, tl, triton, use_triton
 
-__all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "prewarm", "FORCE_TRITON", "draw_seeds",
-           "max_offset", "needs_int64_idx"]
+__all__ = ["lora_forward", "lora_backward", "lora_reference", "dropout_keep_mask", "prewarm", "FORCE_TRITON",
+           "draw_seeds", "max_offset", "needs_int64_idx"]
 
 #: Run the Triton kernels on CPU tensors too (needs TRITON_INTERPRET=1); for tests.
 FORCE_TRITON = os.environ.get("FXFUSE_LORA_FORCE_TRITON", "0") == "1"
