@@ -29,9 +29,9 @@ length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes tu
 too), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
-script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under cProfile, its top
-functions in ``$OUT/cprofile-IMPL.txt``: the first step's time is then inflated, compare it between impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the
-lm-head pass off (the anchor probe's third row).
+script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under
+cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``: the first step's time is then inflated, compare it between
+impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
