@@ -3,6 +3,7 @@ compile process fills Inductor's caches with it; at the first safe call after, i
 and the calls switch, never inside a backward or between an activation checkpoint's forward and its recompute.
 Values and gradients match the module run eagerly on both sides of the switch. Inductor's caches are on here (a
 temporary directory), unlike the rest of the suite: they are how the child hands its work over."""
+import os
 import time
 
 import pytest
@@ -141,6 +142,71 @@ def test_the_process_started_early_serves_the_first_graph():
     assert 0 < job.child_startup["fxfuse"] <= job.child_startup["inductor"]
     _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
     assert job.state == "switched"
+
+
+def _two_ranks_worker(rank, world, port, result_path):
+    """One of two gloo ranks compiling the same module with the option; rank 1 stands for a rank whose compile
+    process is slower: its child's answer arrives 3 s late. Each rank records the step at which its child was done
+    and the step at which it switched."""
+    import json
+    import threading
+    from concurrent.futures import Future
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == 1:
+        submit = background_inductor._submit
+
+        def slow_submit(job_id, payload):
+            late = Future()
+            submit(job_id, payload).add_done_callback(
+                lambda f: threading.Timer(3.0, late.set_result, (f.result(),)).start())
+            return late
+        background_inductor._submit = slow_submit
+    try:
+        torch.manual_seed(0)
+        mod = _Mlp()
+        compiled = fxfuse.compile(mod, background_compile=True)
+        x = torch.randn(3, 16)
+        seen = dict(cached=None, switched=None)
+        for step in range(3000):  # each step ends in a barrier: the ranks stay in step, as collectives keep them
+            compiled(x).square().mean().backward()
+            dist.barrier()
+            (job,) = fxfuse.background_compiles()
+            for key, now in (("cached", job.state != "compiling"), ("switched", job.state == "switched")):
+                if seen[key] is None and now:
+                    seen[key] = step
+            both = torch.tensor([seen["switched"] is not None], dtype=torch.int32)
+            dist.all_reduce(both, op=dist.ReduceOp.MIN)
+            if both.item():
+                break
+            time.sleep(0.01)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, seen)
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump(everyone, f)
+        dist.barrier()
+    finally:
+        background_inductor._stop_child()
+        dist.destroy_process_group()
+
+
+def test_two_ranks_switch_at_the_same_step_once_both_children_are_done(tmp_path):
+    # Real ranks and store (gloo, two processes). Without the agreement rank 0 would switch as soon as its own
+    # child is done, ~3 s of steps before the slow rank's.
+    import json
+
+    from test_distributed import RANK_TIMEOUT_S, _free_port, _spawn
+
+    result = tmp_path / "ranks.json"
+    _spawn(_two_ranks_worker, (2, _free_port(), str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
+    fast, slow = json.loads(result.read_text())
+    assert fast["cached"] < slow["cached"], (fast, slow)  # rank 0's child was done before rank 1's
+    assert fast["switched"] >= slow["cached"], (fast, slow)  # and rank 0 waited for it
+    assert abs(fast["switched"] - slow["switched"]) <= 1, (fast, slow)
 
 
 def test_a_dead_child_means_a_cold_compile_at_the_switch():
