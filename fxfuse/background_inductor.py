@@ -95,6 +95,9 @@ class BackgroundJob:
 
 _jobs: List[BackgroundJob] = []
 _lock = threading.Lock()
+#: AOTAutograd cache hits of the switches here: graphs fxfuse's passes ran on (and reported) in this process, which
+#: the count of graphs served from the cache without a report (fxfuse.api, under install()) leaves out
+aot_cache_hits_of_switches = 0
 RANKS_AGREE_TIMEOUT_S = 120.0  # how long a rank whose child is done waits for the other ranks' (module docstring)
 
 
@@ -539,6 +542,8 @@ class _SwitchWhenCached:
         with _saved_tensors_hooks_suspended():
             self._compiled = self._compile_now()  # as without the option: an error here is the compile's own
         self._job.cache_hits = {k: counters[a][k] - before[k] for a, k in keys}
+        global aot_cache_hits_of_switches
+        aot_cache_hits_of_switches += self._job.cache_hits["autograd_cache_hit"]
         self._job.switch_seconds = time.perf_counter() - t0
         self._job.state = "switched"
         self._eager_fn = self._compile_now = None  # nor the graph and its inputs kept for the compile
