@@ -176,34 +176,45 @@ def test_peft_model_compiled_new_length_every_batch(monkeypatch):
     assert graphs == torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def test_forward_prewarms_the_backward_grad_x_launch(monkeypatch):
-    """The first forward of a layout asks for the specialisation its backward's grad x will launch (compiled on a
-    background thread on a GPU; the interpreter compiles nothing): the launch built from the forward's meta
-    stand-ins has the same specialisation key as the backward's real launch, for a single adapter and for q/k/v
-    siblings (rank sum 24: a wider low-rank tile, another kernel); a second forward of the layout asks for
-    nothing."""
+def _record_specialisations(monkeypatch, grad_x_only: bool):
+    """Patch the LoRA kernels' warm-up and launch of the low-rank GEMM to record the specialisation key of each
+    (the interpreter compiles nothing). A warm-up's operands must be meta stand-ins (W may be the real weight when
+    the forward asks for its backward's launch) that the kernel accepts; ``grad_x_only``: record only the launches
+    with ``b_kn`` (the backward's grad x), else every launch, and every warm-up operand must be a stand-in. Returns
+    the (asked, launched) lists."""
     monkeypatch.setattr(K, "FORCE_TRITON", True)
     monkeypatch.setattr(K, "_grad_x_prewarmed", set())
+    monkeypatch.setattr(K, "_forward_prewarmed", set())
     asked, launched = [], []
     real = K.lowrank_gemm
 
     def prewarm(a, b, v, u, bias=None, b_kn=False, u_kn=False, device=None):
         assert a.is_meta and v.is_meta and device == torch.device("cpu")
+        assert grad_x_only or (b.is_meta and u.is_meta)  # from a trace: every operand a stand-in
         assert G.lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device)
-        base = torch.empty(64)
         c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]), device="meta")
-        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, device, base)
+        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, device, torch.empty(64))
         asked.append(G._specialisation(device, a.dtype, args, consts))
 
     def launch(a, b, v, u, bias=None, b_kn=False, u_kn=False):
-        if b_kn:
-            c = torch.empty((a.shape[0], b.shape[1]))
+        if b_kn or not grad_x_only:
+            c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]))
             _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
             launched.append(G._specialisation(a.device, a.dtype, args, consts))
         return real(a, b, v, u, bias, b_kn=b_kn, u_kn=u_kn)
 
     monkeypatch.setattr(K, "lowrank_gemm_prewarm", prewarm)
     monkeypatch.setattr(K, "lowrank_gemm", launch)
+    return asked, launched
+
+
+def test_forward_prewarms_the_backward_grad_x_launch(monkeypatch):
+    """The first forward of a layout asks for the specialisation its backward's grad x will launch (compiled on a
+    background thread on a GPU; the interpreter compiles nothing): the launch built from the forward's meta
+    stand-ins has the same specialisation key as the backward's real launch, for a single adapter and for q/k/v
+    siblings (rank sum 24: a wider low-rank tile, another kernel); a second forward of the layout asks for
+    nothing."""
+    asked, launched = _record_specialisations(monkeypatch, grad_x_only=True)
     g = torch.Generator().manual_seed(3)
     N, din, r = 40, 32, 8
     seeds = K.draw_seeds(3, "cpu")
@@ -230,27 +241,7 @@ def test_tracing_the_forward_op_prewarms_its_launches(monkeypatch):
     the real launches'; a second trace of the layout asks for nothing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(K, "FORCE_TRITON", True)
-    monkeypatch.setattr(K, "_grad_x_prewarmed", set())
-    monkeypatch.setattr(K, "_forward_prewarmed", set())
-    asked, launched = [], []
-    real = K.lowrank_gemm
-
-    def prewarm(a, b, v, u, bias=None, b_kn=False, u_kn=False, device=None):
-        assert a.is_meta and b.is_meta and v.is_meta and u.is_meta and device == torch.device("cpu")
-        assert G.lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device)
-        c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]), device="meta")
-        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, device, torch.empty(64))
-        asked.append(G._specialisation(device, a.dtype, args, consts))
-
-    def launch(a, b, v, u, bias=None, b_kn=False, u_kn=False):
-        c = torch.empty((a.shape[0], b.shape[1] if b_kn else b.shape[0]))
-        _, args, consts = G._launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
-        launched.append(G._specialisation(a.device, a.dtype, args, consts))
-        return real(a, b, v, u, bias, b_kn=b_kn, u_kn=u_kn)
-
-    monkeypatch.setattr(K, "lowrank_gemm_prewarm", prewarm)
-    monkeypatch.setattr(K, "lowrank_gemm", launch)
+    asked, launched = _record_specialisations(monkeypatch, grad_x_only=False)
     g = torch.Generator().manual_seed(4)
     N, din, r, douts = 40, 32, 8, (32, 8, 8)  # 32 and 8 columns: divisible by 16 or not, two forward kernels
     x = torch.randn(N, din, generator=g)
