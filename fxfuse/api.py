@@ -59,9 +59,9 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
                                    f"options={{...}})")
     merged = merge_option_kwargs("fxfuse.compile", options, fxfuse_options)
     if FxFuseOptions.parse(merged).background_compile and not disable:
-        from .background_inductor import prestart
+        from .background_inductor import start_background_compile_process
 
-        prestart()  # the compile process imports torch while the caller goes on
+        start_background_compile_process()  # the compile process imports torch while the caller goes on
     if mode is not None:
         modes = _known_modes()
         if mode not in modes:

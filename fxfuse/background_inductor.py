@@ -64,7 +64,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["BackgroundJob", "CannotCompileInBackground", "reason_not_to_compile_in_background", "compile_in_background",
-           "prestart", "start_background_compile_process",
+           "start_background_compile_process",
            "background_compiles", "wait_for_background_compiles"]
 
 _SYMBOLIC = "symbolic sizes (Inductor's shape guards must be in place when Dynamo finishes the frame)"
@@ -229,16 +229,10 @@ def _stop_child() -> None:
             child.outbox.put(None)
 
 
-def prestart() -> None:
-    """Start the compile process now (its imports take seconds), so that it is ready when the first graph comes:
-    ``fxfuse.compile(..., background_compile=True)`` calls it."""
-    start_background_compile_process()
-
-
 def start_background_compile_process() -> None:
     """Start the compile process that ``background_compile=True`` hands its graphs to, now, if none is running.
 
-    ``fxfuse.compile()`` / ``compile_regions()`` with the option start it anyway, but it takes seconds to import
+    ``fxfuse.compile()`` / ``compile_regions()`` with the option call it too, but it takes seconds to import
     torch, fxfuse and Inductor's compiler (10.7 s to be ready on a 2x H200 host beside two ranks' first step), and
     the first graph waits for it. Called at the top of a training script, the process gets the model's build and
     sharding to make itself ready in (how much that saves is not measured yet). Each graph brings Inductor's config

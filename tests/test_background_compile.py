@@ -70,7 +70,7 @@ def _assert_close(a, b):
 
 def test_runs_eagerly_until_cached_then_switches_with_the_same_values(tmp_path, monkeypatch):
     ref, mod = _pair()
-    background_inductor.prestart()
+    fxfuse.start_background_compile_process()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "moved"))  # after the process started: it follows
     compiled = fxfuse.compile(mod, background_compile=True)
     x = torch.randn(3, 8, 16)
