@@ -294,8 +294,8 @@ def main(impl):
                     switch_step[i] = len(early_ms)
             done = all(j.state == "switched" and j.compiled_calls > before.get(j.name, 0)
                        for j in fxfuse.background_compiles())
-            # Every rank must run as many steps (FSDP's collectives pair up): the ranks switch at different steps
-            # (each has its own compile process), so stop where all of them ran compiled
+            # Every rank must run as many steps (FSDP's collectives pair up): the ranks agree on when to switch but
+            # may still switch a step apart, so stop where all of them ran compiled
             flag = torch.tensor([1.0 if done else 0.0], device=dev)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             if flag.item() == 1.0:
