@@ -31,7 +31,11 @@ graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
 script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under
 cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``: the first step's time is then inflated, compare it between
-impls only). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+impls only), ``FSDP_SAMPLE=1`` (each rank's first step sampled every 5 ms by ``benchmarks/stack_sampler.py``: the row's
+``first_step_sampled`` gives rank 0's seconds by frame, ``$OUT/sampled-IMPL*-rankR.json`` each rank's and
+``$OUT/stacks-IMPL*-rankR.txt`` the collapsed stacks; the step is hardly slowed). Every row has ``first_step_cpu_s`` (rank 0's main-thread and process CPU seconds in the first step, and how
+busy the host was) and ``loss_step11`` (the loss of the 11th step, which background rows reach among their early
+steps; ``loss_last`` is the last step's). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
 """
 import json
 import os
@@ -120,6 +124,32 @@ class _BackendSplit:
 
     def summary(self):
         return {k: round(v, 2) for k, v in self.s.items()}
+
+
+def _host_cpu_ticks():
+    """(busy, total) clock ticks of the whole host from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+def _cpu_clocks(before=None):
+    """CPU seconds of this thread and process, and the host's busy share, since ``before`` (or now, to start):
+    a main thread whose CPU seconds fall short of the wall time waited (a GPU sync, a lock, a child's pipe); a busy
+    host says the rank shared its cores (the compile process, Inductor's workers, the other rank)."""
+    now = dict(t=time.perf_counter(), thread=time.thread_time(), process=time.process_time(), host=_host_cpu_ticks())
+    if before is None:
+        return now
+    out = dict(wall=round(now["t"] - before["t"], 2), main_thread=round(now["thread"] - before["thread"], 2),
+               process=round(now["process"] - before["process"], 2))
+    if now["host"] and before["host"]:
+        busy, total = (a - b for a, b in zip(now["host"], before["host"]))
+        out.update(host_busy=round(busy / max(total, 1), 3), host_cores=os.cpu_count())
+    return out
 
 
 def first_step_breakdown(timer, split=None):
@@ -246,11 +276,16 @@ def main(impl):
         mask[1:, 3 * S // 4:] = 0
         labels = ids.masked_fill(mask == 0, -100)
 
+    steps_run, loss11 = [0], [None]
+
     def step():
         out = fwd(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        steps_run[0] += 1
+        if steps_run[0] == 11:  # every row's loss after the same number of steps (background rows run more)
+            loss11[0] = round(out.loss.item(), 4)
         return out.loss
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -262,8 +297,21 @@ def main(impl):
 
         prof = cProfile.Profile()
         prof.enable()
+    sampler = None
+    if os.environ.get("FSDP_SAMPLE") == "1":  # the first step's main-thread wall time by frame, every rank
+        from benchmarks.stack_sampler import StackSampler
+
+        sampler = StackSampler(interval=float(os.environ.get("FSDP_SAMPLE_INTERVAL", 0.005))).start()
+    cpu0 = _cpu_clocks()
     l0 = step().item()
     first = time.perf_counter() - t0
+    cpu_first = _cpu_clocks(cpu0)
+    if sampler is not None:
+        sampler.stop()
+        tag = f"{impl}{'-lora' if lora else ''}{'-bg' if background else ''}-rank{rank}"
+        sampler.write_collapsed(os.path.join(os.environ.get("OUT", "/tmp"), f"stacks-{tag}.txt"))
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), f"sampled-{tag}.json"), "w") as f:
+            json.dump(dict(first_step_s=first, cpu=cpu_first, **sampler.summary(top=60)), f)
     if background and rank == 0:
         print(f"first step {first:.1f} s", file=sys.stderr)
     if prof is not None:
@@ -332,7 +380,10 @@ def main(impl):
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
                rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown,
-               peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None)
+               peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None,
+               first_step_cpu_s=cpu_first, loss_step11=loss11[0])
+    if sampler is not None:
+        row["first_step_sampled"] = sampler.summary()
     if background:  # the steps between the first and the first all-compiled one, and each graph's compile
         row.update(background_compile=True, background_process_started="script start" if early else "compile call",
                    early_steps_ms=early_ms,

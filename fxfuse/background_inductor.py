@@ -30,7 +30,10 @@ input view off 16-byte alignment); Inductor's FX graph cache off; nothing for In
 ``compiler="aot_eager"``. Costs: the first steps run unfused elementwise kernels (slower; larger transient buffers),
 and the compile process holds a CUDA context on its GPU (not measured) until its queue is empty. Its Inductor
 worker pool takes its share of the host's cores (the cores over torchrun's ranks on the host, less one for the
-rank's own process), not Inductor's default of up to 32 per process.
+rank's own process), not Inductor's default of up to 32 per process. The process and its workers run at a lower
+scheduling priority (``nice`` :data:`CHILD_NICENESS`, env ``FXFUSE_BACKGROUND_NICE``; 0 keeps the caller's): their
+compile is background work, and on a loaded host the training ranks' first steps (Python-bound: tracing, FSDP's
+hooks, fxfuse's own Triton JIT) must not wait for cores behind it.
 
 Several ranks (a default process group of more than one): a rank's switch takes seconds, during which the other
 ranks wait at their next collective. Were each rank to switch when its own child is done, every rank's switch would
@@ -258,9 +261,19 @@ def _submit(job_id: int, payload: Dict[str, Any]) -> Future:
     return fut
 
 
+#: How much lower the compile process's scheduling priority is than the training process's (``os.nice``; inherited
+#: by Inductor's worker processes). ``FXFUSE_BACKGROUND_NICE=0`` keeps it equal.
+CHILD_NICENESS = int(os.environ.get("FXFUSE_BACKGROUND_NICE", "10"))
+
+
 def _child_main() -> None:
     """The compile process: for each job, rebuild the graph and compile it (forward and backward) with Inductor,
     which leaves the FX graphs in its on-disk caches; answer with the time or the error."""
+    if CHILD_NICENESS > 0 and hasattr(os, "nice"):
+        try:
+            os.nice(CHILD_NICENESS)  # before anything starts: the imports and every worker process inherit it
+        except OSError:
+            pass
     proto = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from torch or Inductor must not reach the protocol
     launched = float(os.environ.get("FXFUSE_BACKGROUND_LAUNCHED_AT", time.time()))

@@ -140,6 +140,9 @@ def test_the_process_started_early_serves_the_first_graph():
     (job,) = fxfuse.background_compiles()
     assert background_inductor._child.proc.pid == pid and job.state == "cached", job.error
     assert 0 < job.child_startup["fxfuse"] <= job.child_startup["inductor"]
+    # background work: the process runs below this one's scheduling priority (its Inductor workers inherit it)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0)
+                                                       + background_inductor.CHILD_NICENESS)
     _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
     assert job.state == "switched"
 

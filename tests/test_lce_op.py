@@ -396,3 +396,38 @@ def test_default_chunk_budget_holds_at_least_1024_tokens():
     assert chunk_budget(0, llama) == lm_head_rows.DEFAULT_CHUNK_BYTES == 256 << 20
     assert lm_head_rows.rows_per_chunk(128256, 2, chunk_budget(0, llama), 8192) == 1024
     assert chunk_budget(16 << 20, gemma) == 16 << 20
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the row kernel's CPU launches need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("reduction,grad_in_forward,bias", [("mean", True, False), ("none", False, True)])
+def test_tracing_the_forward_op_prewarms_its_launches(monkeypatch, reduction, grad_in_forward, bias):
+    """The forward op's fake impl (fxfuse's validation and AOTAutograd trace it before the first real call) asks,
+    from fake tensors, for every Triton specialisation the real forward and backward then launch: the row kernel's
+    forward (with the gradient written in it, or the statistics only) and its recompute in the backward, or the
+    backward's scaling of the saved gradients. The keys are the real launches'; a second trace asks for nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxfuse.kernels import background_compile as BC
+
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    monkeypatch.setattr(K, "_prewarmed", set())
+    asked, launched = [], []
+    monkeypatch.setattr(BC, "start", lambda kernel, key, *a: asked.append((kernel, key)))
+    monkeypatch.setattr(BC, "in_flight", lambda: True)  # every launch then names its key to wait_for
+    monkeypatch.setattr(BC, "wait_for", lambda kernel, key: launched.append((kernel, key)))
+    h, W, b, y = make(37, 16, 53, bias=bias)
+    args = (-100, reduction, 0.0, 1.0, 0.0, grad_in_forward, True, True, bias, 0)
+    mode = FakeTensorMode()
+    h0, W0, y0, b0 = (None if t is None else mode.from_tensor(t.detach()) for t in (h, W, y, b))
+    with mode:
+        for _ in range(2):
+            torch.ops.fxfuse.linear_cross_entropy_fwd(h0, W0, y0, b0, *args)
+    expected = 2  # rows forward + the gradients' scaling (grad in forward), rows forward + recompute (otherwise)
+    assert len(asked) == expected and not launched, asked
+    loss = linear_cross_entropy(h, W, y, bias=b, reduction=reduction, grad_in_forward=grad_in_forward)
+    # per-token weights (a contiguous upstream grad, as a GRPO-style loss gives; loss.sum()'s is an expand)
+    loss.backward(torch.ones_like(loss) if loss.dim() == 0 else torch.rand_like(loss))
+    assert len(asked) == expected  # the real call found its launches asked for already
+    assert set(asked) == set(launched), (asked, launched)
+    kernels = {k for k, _ in asked}
+    assert (K._scale_by_device_scalar_kernel in kernels) == grad_in_forward

@@ -68,6 +68,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import background_compile
 from .lm_head_rows import chunk_loop, rounded_z, row_launch_config, row_stats_torch
 from .triton_support import HAVE_TRITON, tl, triton, use_triton
 
@@ -80,6 +81,7 @@ __all__ = [
     "lce_forward",
     "lce_backward",
     "lce_reference",
+    "lce_prewarm",
     "scale_by_device_scalar_",
 ]
 
@@ -204,6 +206,15 @@ if HAVE_TRITON:
             tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x_ptr.dtype.element_ty), mask=m)
 
 
+def _scale_launch(t: torch.Tensor, g: torch.Tensor):
+    """(grid, args, constexprs, specialisation key) of :func:`scale_by_device_scalar_`'s kernel (``n`` is not
+    specialised on: only the dtypes and x's alignment make a new kernel)."""
+    BLOCK = 4096
+    consts = dict(BLOCK=BLOCK, num_warps=8)
+    key = (t.device.index, t.dtype, t.data_ptr() % 16 == 0, g.dtype)
+    return (triton.cdiv(t.numel(), BLOCK),), (t, t.numel(), g), consts, key
+
+
 def scale_by_device_scalar_(t: torch.Tensor, g: torch.Tensor) -> None:
     """``t *= g`` in place for a contiguous ``t`` and a 0-dim fp32 ``g`` on the same device, without a host sync.
 
@@ -213,10 +224,38 @@ def scale_by_device_scalar_(t: torch.Tensor, g: torch.Tensor) -> None:
     if t.numel() == 0:
         return
     if use_triton(t, FORCE_TRITON) and t.is_contiguous():
-        BLOCK = 4096
-        _scale_by_device_scalar_kernel[(triton.cdiv(t.numel(), BLOCK),)](t, t.numel(), g, BLOCK=BLOCK, num_warps=8)
+        grid, args, consts, key = _scale_launch(t, g)
+        if background_compile.in_flight():
+            background_compile.wait_for(_scale_by_device_scalar_kernel, key)
+        _scale_by_device_scalar_kernel[grid](*args, **consts)
     else:
         t.mul_(g)
+
+
+def _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
+    """(args, constexprs, specialisation key) of one row-kernel launch over the [C, V] chunk ``buf`` (the grid is
+    (C,)). The key holds what Triton compiles a new kernel for: the pointers' dtypes, the integer arguments (by
+    value: V and ignore_index are the model's, the strides V and 0 or 1), the constexprs, the logits' alignment."""
+    C, V = buf.shape
+    # fp32 logits keep the exact tanh (tanh.approx's ~2^-11 relative error is far above fp32's: 1e-4 on the loss at
+    # softcap 30); bf16 / fp16 logits are rounded coarser than that already.
+    _, BLOCK_V, num_warps, fast_tanh = row_launch_config(buf, _ROW_DEFAULTS, ROW_CONFIG,
+                                                         (torch.bfloat16, torch.float16))
+    dummy = target  # any tensor: pointers the constexpr flags switch off are never dereferenced
+    st = lse_in if lse_in is not None else lse_out
+    args = (buf, buf.stride(0), target,
+            g if g is not None else dummy, (g.stride(0) if (g is not None and g.dim() == 1) else 0),
+            loss_out if loss_out is not None else dummy,
+            st[0] if st is not None else dummy, st[1] if st is not None else dummy,
+            V, int(ignore_index), float(scale), float(softcap or 1.0), 1.0 / float(softcap or 1.0), float(eps))
+    consts = dict(HAVE_LSE=lse_in is not None, WRITE_LSE=lse_out is not None and lse_in is None,
+                  WRITE_LOSS=loss_out is not None, WRITE_GRAD=bool(write_grad),
+                  SOFTCAP=bool(softcap), SMOOTH=eps != 0.0, BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh, RN=rounded_z(buf),
+                  num_warps=num_warps)
+    key = (buf.device.index, buf.data_ptr() % 16 == 0,
+           tuple(a.dtype if isinstance(a, torch.Tensor) else (a if isinstance(a, int) else float) for a in args),
+           tuple(sorted(consts.items())))
+    return args, consts, key
 
 
 def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
@@ -226,23 +265,54 @@ def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale,
     if C == 0:
         return
     assert buf.stride(1) == 1, "logits chunk rows must be contiguous"
-    # fp32 logits keep the exact tanh (tanh.approx's ~2^-11 relative error is far above fp32's: 1e-4 on the loss at
-    # softcap 30); bf16 / fp16 logits are rounded coarser than that already.
-    _, BLOCK_V, num_warps, fast_tanh = row_launch_config(buf, _ROW_DEFAULTS, ROW_CONFIG,
-                                                         (torch.bfloat16, torch.float16))
-    dummy = target  # any tensor: pointers the constexpr flags switch off are never dereferenced
-    st = lse_in if lse_in is not None else lse_out
-    _lce_rows_kernel[(C,)](
-        buf, buf.stride(0), target,
-        g if g is not None else dummy, (g.stride(0) if (g is not None and g.dim() == 1) else 0),
-        loss_out if loss_out is not None else dummy,
-        st[0] if st is not None else dummy, st[1] if st is not None else dummy,
-        V, int(ignore_index), float(scale), float(softcap or 1.0), 1.0 / float(softcap or 1.0), float(eps),
-        HAVE_LSE=lse_in is not None, WRITE_LSE=lse_out is not None and lse_in is None,
-        WRITE_LOSS=loss_out is not None, WRITE_GRAD=bool(write_grad),
-        SOFTCAP=bool(softcap), SMOOTH=eps != 0.0, BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh, RN=rounded_z(buf),
-        num_warps=num_warps,
-    )
+    args, consts, key = _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps,
+                                     write_grad)
+    if background_compile.in_flight():  # its warm-up (lce_prewarm) still compiling: wait, do not compile it twice
+        background_compile.wait_for(_lce_rows_kernel, key)
+    _lce_rows_kernel[(C,)](*args, **consts)
+
+
+_prewarmed: set = set()
+
+
+def lce_prewarm(hidden, weight, target, bias, ignore_index: int, reduction: str, softcap: float, scale: float,
+                label_smoothing: float, grad_in_forward: bool, need_gh: bool, need_gw: bool, need_gb: bool) -> None:
+    """From the forward op's fake impl (fxfuse's validation and AOTAutograd trace the loss graph before its first
+    real call): start compiling, on the warm-up threads (``background_compile.py``), the row kernel's launches of
+    the coming forward and backward and the backward's gradient scaling, so that the first step does not stop for
+    their JIT (0.3 s alone on the H200, 0.7-1.1 s while a background compile shares the host's cores). Reads
+    only shapes, dtypes and the device; the stand-ins are small real tensors of the launches' dtypes (each
+    allocation 16-byte aligned, as the chunk buffer and the fresh gradients are)."""
+    V = weight.shape[0]
+    if not (background_compile.ENABLED and use_triton(hidden, FORCE_TRITON)) or not isinstance(V, int):
+        return  # (background_compile.start itself starts nothing but on CUDA)
+    gb = need_gb and bias is not None
+    write_grad = bool(grad_in_forward) and (need_gh or need_gw or gb)
+    key = (hidden.device, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, V, int(ignore_index),
+           reduction, bool(softcap), float(label_smoothing) != 0.0, write_grad, need_gh, need_gw, gb)
+    if key in _prewarmed:
+        return
+    _prewarmed.add(key)
+    device = hidden.device
+    with torch.utils._python_dispatch._disable_current_modes():  # plain tensors: nothing traced, nothing faked
+        f32 = dict(dtype=torch.float32, device=device)
+        buf = torch.empty((1, V), dtype=hidden.dtype, device=device)
+        tgt = torch.empty(1, dtype=torch.long, device=device)
+        g = torch.empty((), **f32)
+        launches = [(buf, tgt, g, torch.empty(1, **f32), torch.empty((2, 1), **f32), None, write_grad)]
+        if not grad_in_forward and (need_gh or need_gw or gb):  # lce_backward's recompute launch
+            # per-token upstream grads: a contiguous tensor (an expanded one, loss.sum()'s, is another kernel)
+            g_bwd = torch.empty(1, **f32) if reduction == "none" else g
+            launches.append((buf, tgt, g_bwd, None, None, torch.empty((2, 1), **f32), True))
+        for b, t, gg, loss_out, lse_out, lse_in, wg in launches:
+            args, consts, k = _rows_launch(b, t, gg, loss_out, lse_out, lse_in, ignore_index, scale, softcap,
+                                           label_smoothing, wg)
+            background_compile.start(_lce_rows_kernel, k, device, (1,), args, consts)
+        if write_grad:  # the backward scales the saved gradients by the upstream grad (linear_cross_entropy.py)
+            for dt in {dt for dt, need in ((hidden.dtype, need_gh), (weight.dtype, need_gw),
+                                           (None if bias is None else bias.dtype, gb)) if need}:
+                grid, args, consts, k = _scale_launch(torch.empty(16, dtype=dt, device=device), g)
+                background_compile.start(_scale_by_device_scalar_kernel, k, device, grid, args, consts)
 
 
 # ================================================================================================ PyTorch twin

@@ -107,6 +107,9 @@ def _(hidden, weight, target, bias, ignore_index, reduction, softcap, scale, lab
     N, D = hidden.shape
     V = weight.shape[0]
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
+    # Traced means a real call is coming: its Triton specialisations start compiling now (on threads)
+    K.lce_prewarm(hidden, weight, target, bias, ignore_index, reduction, softcap, scale, label_smoothing,
+                  grad_in_forward, grad_hidden, grad_weight, grad_bias)
     f32 = torch.float32
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=f32)
     lse = hidden.new_empty((2, N), dtype=f32)  # row max, log S
