@@ -33,9 +33,12 @@ script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROF
 cProfile, its top functions in ``$OUT/cprofile-IMPL.txt``: the first step's time is then inflated, compare it between
 impls only), ``FSDP_SAMPLE=1`` (each rank's first step sampled every 5 ms by ``benchmarks/stack_sampler.py``: the row's
 ``first_step_sampled`` gives rank 0's seconds by frame, ``$OUT/sampled-IMPL*-rankR.json`` each rank's and
-``$OUT/stacks-IMPL*-rankR.txt`` the collapsed stacks; the step is hardly slowed). Every row has ``first_step_cpu_s`` (rank 0's main-thread and process CPU seconds in the first step, and how
-busy the host was) and ``loss_step11`` (the loss of the 11th step, which background rows reach among their early
-steps; ``loss_last`` is the last step's). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor probe's third row).
+``$OUT/stacks-IMPL*-rankR.txt`` the collapsed stacks; the step is hardly slowed; ``FSDP_TAG`` is added to their names
+and to the row). Every row has ``first_step_cpu_s`` (rank 0's main-thread and process CPU seconds in the first step, and
+how busy the host was) and ``loss_step11`` (the loss of the 11th step, which background rows reach among their early
+steps; ``loss_last`` is the last step's). Impl ``fxfuse-nolce`` is ``fxfuse`` with the lm-head pass off (the anchor
+probe's third row).
+Every first step starts with the ranks together (a barrier on the store; see ``_start_together``).
 """
 import json
 import os
@@ -124,6 +127,17 @@ class _BackendSplit:
 
     def summary(self):
         return {k: round(v, 2) for k, v in self.s.items()}
+
+
+def _start_together():
+    """Every rank leaves here at about the same moment: a barrier on the process group's store (it starts no NCCL
+    communicator; the first step's first all-gather still does, in every impl). The ranks' setups end seconds apart
+    (1.2-1.4 s measured on two H200s), and without it the first rank's first step counted its wait for the last
+    one's setup at its first collective (rows before the nineteenth session)."""
+    store = dist.distributed_c10d._get_default_store()
+    if store.add("bench_fsdp2/start", 1) == dist.get_world_size():
+        store.set("bench_fsdp2/start/all", "1")
+    store.wait(["bench_fsdp2/start/all"])
 
 
 def _host_cpu_ticks():
@@ -289,6 +303,7 @@ def main(impl):
         return out.loss
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    _start_together()
     t0 = time.perf_counter()
     setup = t0 - _T_SCRIPT  # imports, process group, model build, sharding, the compile call
     prof = None
@@ -308,7 +323,8 @@ def main(impl):
     cpu_first = _cpu_clocks(cpu0)
     if sampler is not None:
         sampler.stop()
-        tag = f"{impl}{'-lora' if lora else ''}{'-bg' if background else ''}-rank{rank}"
+        tag = (f"{impl}{'-lora' if lora else ''}{'-bg' if background else ''}{os.environ.get('FSDP_TAG', '')}"
+               f"-rank{rank}")
         sampler.write_collapsed(os.path.join(os.environ.get("OUT", "/tmp"), f"stacks-{tag}.txt"))
         with open(os.path.join(os.environ.get("OUT", "/tmp"), f"sampled-{tag}.json"), "w") as f:
             json.dump(dict(first_step_s=first, cpu=cpu_first, **sampler.summary(top=60)), f)
@@ -381,7 +397,8 @@ def main(impl):
                shape="tiny" if small else shape, layers=cfg.num_hidden_layers, tokens_per_gpu=B * S, lora=lora,
                rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown,
                peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None,
-               first_step_cpu_s=cpu_first, loss_step11=loss11[0])
+               first_step_cpu_s=cpu_first, loss_step11=loss11[0], first_step_starts="together (store barrier)",
+               tag=os.environ.get("FSDP_TAG", ""))
     if sampler is not None:
         row["first_step_sampled"] = sampler.summary()
     if background:  # the steps between the first and the first all-compiled one, and each graph's compile

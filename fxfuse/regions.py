@@ -99,8 +99,47 @@ def compile_regions(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
         # eager, with what it calls; the blocks' compiled forwards compile when called (their own frames)
         owner._call_impl = torch.compiler.disable(owner._call_impl, recursive=True)
         head.gather_after = owner.register_forward_hook(head.after_blocks)  # runs inside that eager call
-    model._fxfuse_regions = (owner if compiled_root is not None else None, originals, head)
+    prewarm = None
+    if compiled_root is not None and head.head is not None:
+        ahead = _LossKernelsAhead(model, head.head)
+        prewarm = ahead.handle = blocks[0].register_forward_pre_hook(ahead, with_kwargs=True)
+    model._fxfuse_regions = (owner if compiled_root is not None else None, originals, head, prewarm)
     return model
+
+
+class _LossKernelsAhead:
+    """A one-shot forward pre-hook on the first block: start compiling the fused lm-head loss's Triton kernels (on
+    the warm-up threads, ``kernels/background_compile.py``) for the loss a Hugging Face causal LM computes in
+    training, while the blocks are traced and run. The loss graph is traced only after the last block, and its
+    row kernel's JIT then held the first step for 0.7-1.0 s (its warm-up from the op's trace started too late:
+    8B widths on two H200s). What is assumed: the hidden states' dtype (or autocast's), the head's vocabulary,
+    ``ignore_index=-100``, no label smoothing, the config's ``final_logit_softcapping``, the gradient written in
+    the forward. A wrong guess costs one compile on a thread; the trace's own warm-up still asks for the real
+    launches."""
+
+    def __init__(self, model: nn.Module, head: nn.Module):
+        self._model, self._head = weakref.ref(model), weakref.ref(head)
+        self.handle = None  # this hook's, removed after its first training call
+
+    def __call__(self, block: nn.Module, args: Any, kwargs: Any) -> None:
+        model, head = self._model(), self._head()
+        if model is None or head is None or not (model.training and torch.is_grad_enabled()):
+            return  # an evaluation call: wait for a training one
+        self.handle.remove()
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        weight = getattr(head, "weight", None)
+        if hidden is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return
+        from .kernels import linear_cross_entropy as K
+
+        device = hidden.device
+        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else hidden.dtype)
+        meta = lambda *shape: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+        softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None) or 0.0
+        bias = getattr(head, "bias", None)
+        K.lce_prewarm(meta(1, weight.shape[1]), meta(*weight.shape), torch.empty(1, dtype=torch.long, device="meta"),
+                      None if bias is None else meta(weight.shape[0]), -100, "mean", float(softcap), 1.0, 0.0,
+                      True, True, weight.requires_grad, bias is not None and bias.requires_grad, device=device)
 
 
 def _output_head(model: nn.Module) -> Optional[nn.Module]:
@@ -210,7 +249,9 @@ def undo_compile_regions(model: nn.Module) -> nn.Module:
     state = getattr(model, "_fxfuse_regions", None)
     if state is None:
         raise FxFuseError("undo_compile_regions: this model was not compiled by regions")
-    owner, originals, head = state
+    owner, originals, head, prewarm = state
+    if prewarm is not None:
+        prewarm.remove()
     if owner is not None:
         owner.__dict__.pop("_call_impl", None)
     if head is not None and head.gather_after is not None:

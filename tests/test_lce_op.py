@@ -431,3 +431,39 @@ def test_tracing_the_forward_op_prewarms_its_launches(monkeypatch, reduction, gr
     assert set(asked) == set(launched), (asked, launched)
     kernels = {k for k, _ in asked}
     assert (K._scale_by_device_scalar_kernel in kernels) == grad_in_forward
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the row kernel's CPU launches need TRITON_INTERPRET=1")
+def test_compile_regions_asks_for_the_loss_kernels_at_the_first_block(monkeypatch):
+    """compile_regions asks for the fused loss's Triton launches when the first block is called in training, before
+    any graph of the step is traced (the loss graph comes after the last block): for a Hugging Face causal LM the
+    guess names exactly the launches the first step then makes. An evaluation call first asks for nothing."""
+    import fxfuse
+    from conftest import tiny_causal_lm
+    from fxfuse.kernels import background_compile as BC
+
+    monkeypatch.setattr(K, "FORCE_TRITON", True)
+    monkeypatch.setattr(K, "_prewarmed", set())
+    asked, launched, graphs_then = [], [], []
+
+    def start(kernel, key, *a):
+        asked.append((kernel, key))
+        graphs_then.append(len(fxfuse.reports()))
+
+    monkeypatch.setattr(BC, "start", start)
+    monkeypatch.setattr(BC, "in_flight", lambda: True)
+    monkeypatch.setattr(BC, "wait_for", lambda kernel, key: launched.append((kernel, key)))
+    m = tiny_causal_lm("llama", attn_implementation="sdpa")
+    fxfuse.clear_reports()
+    fxfuse.compile_regions(m)
+    ids = torch.randint(0, 128, (2, 19))
+    with torch.no_grad():
+        m.eval()
+        m(input_ids=ids, use_cache=False)
+    assert not asked
+    m.train()
+    fxfuse.clear_reports()
+    m(input_ids=ids, labels=ids.clone(), use_cache=False).loss.backward()
+    assert asked and graphs_then[0] == 0, graphs_then  # asked before the step's first graph
+    assert set(asked) == set(launched), (asked, launched)
+    fxfuse.undo_compile_regions(m)

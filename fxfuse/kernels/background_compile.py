@@ -1,12 +1,12 @@
 """Triton specialisations compiled on a background thread ahead of their first launch.
 
 A Triton kernel JIT-compiles each new specialisation (dtypes, constexprs, the divisibility of its integer arguments)
-at its first launch, on the launching thread, while the GPU waits: ~0.6-0.8 s each for the low-rank GEMM on the
-H100 / H200 hosts. Where a launcher can tell earlier which specialisation a later launch will need (LoRA's forward
-knows the shapes of its backward's grad x), it hands the launch to :func:`start`: ``JITFunction.warmup`` runs it on
-a small thread pool (LLVM and ptxas release the GIL, so the compile overlaps the caller's work), and the launch
-itself calls :func:`wait_for` first, which waits for a compile of its key still in flight instead of compiling the
-same kernel a second time beside it.
+at its first launch, on the launching thread, while the GPU waits: ~0.6-0.8 s each for the low-rank GEMM on the H100
+/ H200 hosts, then builds its launcher stub with gcc (on a cold cache) and loads the module. Where a launcher can
+tell earlier which specialisation a later launch will need (LoRA's forward knows the shapes of its backward's grad
+x), it hands the launch to :func:`start`: ``JITFunction.warmup`` runs it on a small thread pool (LLVM and ptxas
+release the GIL, so the compile overlaps the caller's work), and the launch itself calls :func:`wait_for` first,
+which waits for a compile of its key still in flight instead of compiling the same kernel a second time beside it.
 
 ``FXFUSE_TRITON_PREWARM=0`` turns it off (benchmarks measure both). A warm-up that fails is only logged: the launch
 compiles again and reports a real failure there. A forked child (a DataLoader worker) forgets the parent's
@@ -46,7 +46,12 @@ if hasattr(os, "register_at_fork"):  # POSIX
 def _compile(kernel, device: torch.device, grid, args, consts) -> None:
     try:
         with torch.cuda.device(device):  # Triton keys its kernel cache by the thread's current device
-            kernel.warmup(*args, grid=grid, **consts)
+            compiled = kernel.warmup(*args, grid=grid, **consts)
+            # What the first launch would do next, here too: build the launcher stub (a C file compiled with gcc
+            # on a cold cache, ~0.2-0.4 s a signature on the H200 hosts) and load the module on the GPU
+            init = getattr(compiled, "_init_handles", None)
+            if callable(init):
+                init()
     except Exception as e:
         log.debug("background compile of %s failed: %r", getattr(kernel, "__name__", kernel), e)
 

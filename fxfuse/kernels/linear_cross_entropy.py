@@ -64,6 +64,7 @@ under ``TRITON_INTERPRET=1`` when ``FORCE_TRITON`` (env ``FXFUSE_LCE_FORCE_TRITO
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -276,24 +277,27 @@ _prewarmed: set = set()
 
 
 def lce_prewarm(hidden, weight, target, bias, ignore_index: int, reduction: str, softcap: float, scale: float,
-                label_smoothing: float, grad_in_forward: bool, need_gh: bool, need_gw: bool, need_gb: bool) -> None:
+                label_smoothing: float, grad_in_forward: bool, need_gh: bool, need_gw: bool, need_gb: bool,
+                device: Optional[torch.device] = None) -> None:
     """From the forward op's fake impl (fxfuse's validation and AOTAutograd trace the loss graph before its first
     real call): start compiling, on the warm-up threads (``background_compile.py``), the row kernel's launches of
     the coming forward and backward and the backward's gradient scaling, so that the first step does not stop for
     their JIT (0.3 s alone on the H200, 0.7-1.1 s while a background compile shares the host's cores). Reads
-    only shapes, dtypes and the device; the stand-ins are small real tensors of the launches' dtypes (each
-    allocation 16-byte aligned, as the chunk buffer and the fresh gradients are)."""
+    only shapes, dtypes and the device (meta tensors welcome, with ``device`` where the launches will run); the
+    stand-ins are small real tensors of the launches' dtypes (each allocation 16-byte aligned, as the chunk buffer
+    and the fresh gradients are)."""
     V = weight.shape[0]
-    if not (background_compile.ENABLED and use_triton(hidden, FORCE_TRITON)) or not isinstance(V, int):
+    device = hidden.device if device is None else device
+    if not (HAVE_TRITON and background_compile.ENABLED and (device.type == "cuda" or FORCE_TRITON)) \
+            or not isinstance(V, int):
         return  # (background_compile.start itself starts nothing but on CUDA)
     gb = need_gb and bias is not None
     write_grad = bool(grad_in_forward) and (need_gh or need_gw or gb)
-    key = (hidden.device, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, V, int(ignore_index),
+    key = (device, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, V, int(ignore_index),
            reduction, bool(softcap), float(label_smoothing) != 0.0, write_grad, need_gh, need_gw, gb)
     if key in _prewarmed:
         return
     _prewarmed.add(key)
-    device = hidden.device
     with torch.utils._python_dispatch._disable_current_modes():  # plain tensors: nothing traced, nothing faked
         f32 = dict(dtype=torch.float32, device=device)
         buf = torch.empty((1, V), dtype=hidden.dtype, device=device)
