@@ -58,6 +58,10 @@ def compile(model: Optional[Callable] = None, *, mode: Optional[str] = None, dyn
                                  + f" (fxfuse's options: {', '.join(FXFUSE_KEYS)}; Inductor settings go in "
                                    f"options={{...}})")
     merged = merge_option_kwargs("fxfuse.compile", options, fxfuse_options)
+    if not disable:  # Inductor's per-process key, hashed while the caller goes on to its first step
+        from .lowering import prefetch_inductor_cache_keys
+
+        prefetch_inductor_cache_keys()
     if FxFuseOptions.parse(merged).background_compile and not disable:
         from .background_inductor import start_background_compile_process
 

@@ -22,6 +22,8 @@ backend checks that). The choice and its reason are in the graph's fusion report
 """
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, List, Optional
 
 import torch
@@ -30,7 +32,38 @@ from torch.utils._pytree import tree_leaves
 
 from .graph_utils import node_val, numel_hint
 
-__all__ = ["reason_to_skip_inductor"]
+__all__ = ["reason_to_skip_inductor", "prefetch_inductor_cache_keys"]
+log = logging.getLogger(__name__)
+
+_prefetch_thread: Optional[threading.Thread] = None
+
+
+def _compute_triton_key(triton_key) -> None:
+    try:
+        triton_key()
+    except Exception as e:  # noqa: BLE001  (the first compile computes it again and reports what fails)
+        log.debug("prefetching Triton's cache key failed: %r", e)
+
+
+def prefetch_inductor_cache_keys() -> None:
+    """Start computing, on a daemon thread, the per-process part of Inductor's cache keys, once per process, when a
+    model is handed to fxfuse (``fxfuse.compile``, ``compile_regions``) and seconds remain before its first graph.
+    Inductor's first compile (and AOTAutograd's cache, ``compile_regions``' loss graph included) reads Triton's
+    ``triton_key()``: a sha256 over Triton's compiler sources and its ~400 MB shared library, cached per process.
+    Rank 0's sampled first steps on the H200 hosts spent 0.6-0.7 s in it (nineteenth session, every impl compiling
+    at once). Hashing releases the GIL; a first compile that comes before the thread is done computes the key
+    itself, as without this."""
+    global _prefetch_thread
+    if _prefetch_thread is not None:
+        return
+    try:
+        from triton.runtime.cache import triton_key  # the function Inductor's own triton_key() ends in, lru-cached
+    except Exception:  # noqa: BLE001  (no Triton, or another layout: nothing to prefetch)
+        _prefetch_thread = threading.Thread(target=lambda: None)
+        return
+    _prefetch_thread = threading.Thread(target=_compute_triton_key, args=(triton_key,),
+                                        name="fxfuse-inductor-cache-keys", daemon=True)
+    _prefetch_thread.start()
 
 
 def _tensors(value: Any) -> List[torch.Tensor]:

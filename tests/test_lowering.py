@@ -183,3 +183,21 @@ def test_a_lowering_check_that_fails_leaves_the_graph_to_inductor(monkeypatch):
     assert rep.lowering.startswith("inductor (the lowering check could not read this graph: RuntimeError"), \
         rep.lowering
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_prefetches_tritons_cache_key(monkeypatch):
+    """fxfuse.compile() (and so compile_regions) starts hashing Triton's per-process cache key on a thread, before
+    any graph is traced: the first compile then finds it cached."""
+    pytest.importorskip("triton")
+    from triton.runtime.cache import triton_key
+
+    import fxfuse.lowering as lowering
+
+    monkeypatch.setattr(lowering, "_prefetch_thread", None)
+    triton_key.cache_clear()
+    fxfuse.compile(torch.nn.Linear(2, 2))  # compiles nothing yet
+    thread = lowering._prefetch_thread
+    thread.join(timeout=120)
+    assert triton_key.cache_info().currsize == 1
+    fxfuse.compile(torch.nn.Linear(2, 2))
+    assert lowering._prefetch_thread is thread  # once per process
