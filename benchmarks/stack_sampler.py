@@ -10,7 +10,13 @@ seconds (``sys._current_frames``) costs one stack walk per sample, and counts a 
     s.summary()                        # inclusive / self seconds by frame, the hottest stacks
     s.write_collapsed(path)            # "f1;f2;...;fn count" lines: flamegraph.pl / speedscope read them
 
-The numbers are samples x interval: a frame below ~10 samples is noise.
+Each sample weighs the time since the previous one. The sampler is a Python thread: while the sampled thread holds
+the GIL (tracing, Python-bound work) it gets a turn only at the interpreter's switch interval (5 ms), so samples come
+further apart there than in a wait (GIL released). Weighing each by the mean interval instead (this module's first
+version, used for the nineteenth session's GPU samples) over-counts waits and under-counts Python-bound frames: a
+CPU test here read a 0.2 s spin as 0.11 s; for a first step that spends ~35% of its time off the CPU, an estimate
+from the samples' mean gap gives waits ~1.3x too long and Python-bound frames ~0.85x. A frame below ~10 samples is
+noise.
 """
 from __future__ import annotations
 
@@ -52,7 +58,7 @@ class StackSampler:
         self.interval = interval
         self.thread_id = thread_id
         self.max_depth = max_depth
-        self.stacks: Counter[Tuple[str, ...]] = collections.Counter()
+        self.stacks: Dict[Tuple[str, ...], float] = collections.defaultdict(float)  # seconds by stack
         self.samples = 0
         self.wall_s = 0.0
         self._stop = threading.Event()
@@ -61,7 +67,9 @@ class StackSampler:
 
     def _run(self) -> None:
         labels: Dict[object, str] = {}  # code object -> label, computed once
+        last = self._t0
         while not self._stop.wait(self.interval):
+            now = time.perf_counter()
             frame = sys._current_frames().get(self.thread_id)
             stack: List[str] = []
             while frame is not None and len(stack) < self.max_depth:
@@ -72,9 +80,10 @@ class StackSampler:
                 stack.append(label)
                 frame = frame.f_back
             del frame
-            if stack:
-                self.stacks[tuple(reversed(stack))] += 1
+            if stack:  # the time since the last sample, spent (as far as one look can tell) where the thread is now
+                self.stacks[tuple(reversed(stack))] += now - last
                 self.samples += 1
+            last = now
 
     def start(self) -> "StackSampler":
         if self.thread_id is None:
@@ -100,23 +109,22 @@ class StackSampler:
     def summary(self, top: int = 30, hot_stacks: int = 12, stack_tail: int = 6) -> dict:
         """Seconds by frame, inclusive (the frame anywhere on the stack, counted once per sample) and self (the
         innermost frame), and the hottest stacks' last ``stack_tail`` frames."""
-        seconds = self.wall_s / self.samples if self.samples else self.interval  # per sample, from the real rate
         inclusive: Counter[str] = collections.Counter()
         own: Counter[str] = collections.Counter()
         tails: Counter[Tuple[str, ...]] = collections.Counter()
-        for stack, n in self.stacks.items():
+        for stack, sec in self.stacks.items():
             for label in set(stack):
-                inclusive[label] += n
-            own[stack[-1]] += n
-            tails[stack[-stack_tail:]] += n
-        s = lambda c: [(k, round(n * seconds, 3)) for k, n in c.most_common(top)]  # noqa: E731
+                inclusive[label] += sec
+            own[stack[-1]] += sec
+            tails[stack[-stack_tail:]] += sec
+        s = lambda c: [(k, round(v, 3)) for k, v in c.most_common(top)]  # noqa: E731
         return dict(samples=self.samples, wall_s=round(self.wall_s, 3), interval_s=self.interval,
-                    inclusive_s=s(inclusive), self_s=s(own),
-                    hot_stacks=[(" < ".join(reversed(k)), round(n * seconds, 3))
-                                for k, n in tails.most_common(hot_stacks)])
+                    weighting="time since the previous sample", inclusive_s=s(inclusive), self_s=s(own),
+                    hot_stacks=[(" < ".join(reversed(k)), round(v, 3)) for k, v in tails.most_common(hot_stacks)])
 
     def write_collapsed(self, path: str) -> None:
-        """Brendan Gregg's collapsed format, one stack per line with its sample count."""
+        """Brendan Gregg's collapsed format, one stack per line with its weight in microseconds (flamegraph.pl and
+        speedscope take any integer weight)."""
         with open(path, "w") as f:
-            for stack, n in self.stacks.most_common():
-                f.write(";".join(stack) + f" {n}\n")
+            for stack, sec in sorted(self.stacks.items(), key=lambda kv: -kv[1]):
+                f.write(";".join(stack) + f" {round(sec * 1e6)}\n")
