@@ -50,7 +50,7 @@ def prefetch_inductor_cache_keys() -> None:
     model is handed to fxfuse (``fxfuse.compile``, ``compile_regions``) and seconds remain before its first graph.
     Inductor's first compile (and AOTAutograd's cache, ``compile_regions``' loss graph included) reads Triton's
     ``triton_key()``: a sha256 over Triton's compiler sources and its ~400 MB shared library, cached per process.
-    Rank 0's sampled first steps on the H200 hosts spent 0.6-0.7 s in it (nineteenth session, every impl compiling
+    Rank 0's sampled first steps on the H200 hosts spent 0.4-0.7 s in it (nineteenth session, every impl compiling
     at once). Hashing releases the GIL; a first compile that comes before the thread is done computes the key
     itself, as without this."""
     global _prefetch_thread
