@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -111,11 +112,11 @@ class _LossKernelsAhead:
     """A one-shot forward pre-hook on the first block: start compiling the fused lm-head loss's Triton kernels (on
     the warm-up threads, ``kernels/background_compile.py``) for the loss a Hugging Face causal LM computes in
     training, while the blocks are traced and run. The loss graph is traced only after the last block, and its
-    row kernel's JIT then held the first step for 0.7-1.0 s (its warm-up from the op's trace started too late:
+    row kernel's JIT then held the first step for 0.7-1.5 s (its warm-up from the op's trace started too late:
     8B widths on two H200s). What is assumed: the hidden states' dtype (or autocast's), the head's vocabulary,
     ``ignore_index=-100``, no label smoothing, the config's ``final_logit_softcapping``, the gradient written in
     the forward. A wrong guess costs one compile on a thread; the trace's own warm-up still asks for the real
-    launches."""
+    launches. Whatever fails here is logged, never raised: it only ever starts a compile early."""
 
     def __init__(self, model: nn.Module, head: nn.Module):
         self._model, self._head = weakref.ref(model), weakref.ref(head)
@@ -126,6 +127,13 @@ class _LossKernelsAhead:
         if model is None or head is None or not (model.training and torch.is_grad_enabled()):
             return  # an evaluation call: wait for a training one
         self.handle.remove()
+        try:
+            self._ask(model, head, args, kwargs)
+        except Exception as e:  # noqa: BLE001  (a warm-up must never break the user's forward)
+            logging.getLogger(__name__).debug("compile_regions: no early warm-up of the loss kernels: %r", e)
+
+    @staticmethod
+    def _ask(model: nn.Module, head: nn.Module, args: Any, kwargs: Any) -> None:
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         weight = getattr(head, "weight", None)
         if hidden is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:

@@ -467,3 +467,23 @@ def test_compile_regions_asks_for_the_loss_kernels_at_the_first_block(monkeypatc
     assert asked and graphs_then[0] == 0, graphs_then  # asked before the step's first graph
     assert set(asked) == set(launched), (asked, launched)
     fxfuse.undo_compile_regions(m)
+
+
+def test_a_failing_early_warm_up_never_breaks_the_forward(monkeypatch):
+    """Whatever goes wrong in compile_regions' early warm-up of the loss kernels is logged, never raised: the
+    training call runs and gives the eager model's loss."""
+    import fxfuse
+    from conftest import tiny_causal_lm
+
+    def broken(*a, **k):
+        raise RuntimeError("no warm-up today")
+
+    monkeypatch.setattr(K, "lce_prewarm", broken)
+    ref = tiny_causal_lm("llama", attn_implementation="sdpa")
+    m = tiny_causal_lm("llama", attn_implementation="sdpa").train()
+    fxfuse.compile_regions(m)
+    ids = torch.randint(0, 128, (2, 11))
+    out = m(input_ids=ids, labels=ids.clone(), use_cache=False)
+    want = ref(input_ids=ids, labels=ids.clone(), use_cache=False)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    fxfuse.undo_compile_regions(m)
