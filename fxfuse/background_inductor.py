@@ -238,7 +238,8 @@ def start_background_compile_process() -> None:
     ``fxfuse.compile()`` / ``compile_regions()`` with the option call it too, but it takes seconds to import
     torch, fxfuse and Inductor's compiler (10.7 s to be ready on a 2x H200 host beside two ranks' first step), and
     the first graph waits for it. Called at the top of a training script, the process gets the model's build and
-    sharding to make itself ready in (how much that saves is not measured yet). Each graph brings Inductor's config
+    sharding to make itself ready in: on 2x H200 at 8B widths Inductor's version then ran 7.2 s (full fine-tune)
+    and 4.4 s (LoRA) sooner; the first step itself did not shorten (one run each). Each graph brings Inductor's config
     and cache directory with it; environment variables set after this call do not reach the process."""
     global _child
     with _lock:

@@ -35,7 +35,8 @@ from .graph_utils import node_val, numel_hint
 __all__ = ["reason_to_skip_inductor", "prefetch_inductor_cache_keys"]
 log = logging.getLogger(__name__)
 
-_prefetch_thread: Optional[threading.Thread] = None
+_prefetch_asked = False  # once per process
+_prefetch_thread: Optional[threading.Thread] = None  # the hashing thread, where one was started
 
 
 def _compute_triton_key(triton_key) -> None:
@@ -53,13 +54,13 @@ def prefetch_inductor_cache_keys() -> None:
     Rank 0's sampled first steps on the H200 hosts spent 0.4-0.7 s in it (nineteenth session, every impl compiling
     at once). Hashing releases the GIL; a first compile that comes before the thread is done computes the key
     itself, as without this."""
-    global _prefetch_thread
-    if _prefetch_thread is not None:
+    global _prefetch_thread, _prefetch_asked
+    if _prefetch_asked:
         return
+    _prefetch_asked = True
     try:
         from triton.runtime.cache import triton_key  # the function Inductor's own triton_key() ends in, lru-cached
     except Exception:  # noqa: BLE001  (no Triton, or another layout: nothing to prefetch)
-        _prefetch_thread = threading.Thread(target=lambda: None)
         return
     _prefetch_thread = threading.Thread(target=_compute_triton_key, args=(triton_key,),
                                         name="fxfuse-inductor-cache-keys", daemon=True)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -127,10 +126,9 @@ class _LossKernelsAhead:
         if model is None or head is None or not (model.training and torch.is_grad_enabled()):
             return  # an evaluation call: wait for a training one
         self.handle.remove()
-        try:
-            self._ask(model, head, args, kwargs)
-        except Exception as e:  # noqa: BLE001  (a warm-up must never break the user's forward)
-            logging.getLogger(__name__).debug("compile_regions: no early warm-up of the loss kernels: %r", e)
+        from .kernels import background_compile
+
+        background_compile.ask_ahead(self._ask, model, head, args, kwargs)  # never raises into the forward
 
     @staticmethod
     def _ask(model: nn.Module, head: nn.Module, args: Any, kwargs: Any) -> None:

@@ -487,3 +487,25 @@ def test_a_failing_early_warm_up_never_breaks_the_forward(monkeypatch):
     want = ref(input_ids=ids, labels=ids.clone(), use_cache=False)
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
     fxfuse.undo_compile_regions(m)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of fake CUDA tensors on a machine without CUDA")
+def test_tracing_fake_cuda_tensors_without_cuda_starts_no_warm_up():
+    """The fused ops' fake impls ask for Triton warm-ups; fake CUDA tensors traced where this process has no CUDA
+    (export or cross-compilation on a CPU machine) must trace as before, with nothing started (it raised 'Torch not
+    compiled with CUDA enabled' from the warm-up's stand-in tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxfuse.kernels import background_compile as BC
+
+    with FakeTensorMode():
+        h, w = torch.empty(8, 4, device="cuda"), torch.empty(16, 4, device="cuda")
+        y = torch.zeros(8, dtype=torch.long, device="cuda")
+        loss, lse, gh, gw, gb, _ = torch.ops.fxfuse.linear_cross_entropy_fwd(h, w, y, None, -100, "mean", 0.0, 1.0,
+                                                                             0.0, True, True, True, False, 0)
+        assert loss.device.type == "cuda" and gh.shape == (8, 4) and gw.shape == (16, 4)
+        A, B = torch.empty(4, 4, device="cuda"), torch.empty(16, 4, device="cuda")
+        seeds = torch.zeros(1, dtype=torch.long, device="cuda")
+        (y0,), V = torch.ops.fxfuse.lora_linear_fwd(h, [w], [], [-1], A, [B], seeds, [4], [1], [2.0], [0.0])
+        assert y0.shape == (8, 16) and V.shape == (8, 4)
+    assert not BC.in_flight()

@@ -193,6 +193,7 @@ def test_compile_prefetches_tritons_cache_key(monkeypatch):
 
     import fxfuse.lowering as lowering
 
+    monkeypatch.setattr(lowering, "_prefetch_asked", False)
     monkeypatch.setattr(lowering, "_prefetch_thread", None)
     triton_key.cache_clear()
     fxfuse.compile(torch.nn.Linear(2, 2))  # compiles nothing yet

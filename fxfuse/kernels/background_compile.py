@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["ENABLED", "start", "in_flight", "wait_for"]
+__all__ = ["ENABLED", "can_start", "start", "ask_ahead", "in_flight", "wait_for"]
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("FXFUSE_TRITON_PREWARM", "1") != "0"
@@ -56,12 +56,27 @@ def _compile(kernel, device: torch.device, grid, args, consts) -> None:
         log.debug("background compile of %s failed: %r", getattr(kernel, "__name__", kernel), e)
 
 
+def can_start(device: torch.device) -> bool:
+    """Whether a warm-up for a launch on ``device`` would start anything: on, and a CUDA device this process has
+    (fake CUDA tensors can be traced on a machine without one)."""
+    return ENABLED and device.type == "cuda" and torch.cuda.is_available()
+
+
+def ask_ahead(prewarm, *args: Any, **kwargs: Any) -> None:
+    """Call a launcher's warm-up (``prewarm(*args, **kwargs)``) from a fake impl or a hook: whatever fails is
+    logged, never raised, since a warm-up only ever starts a compile early and must not break the trace."""
+    try:
+        prewarm(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        log.debug("no warm-up from %s: %r", getattr(prewarm, "__qualname__", prewarm), e)
+
+
 def start(kernel, key: Any, device: torch.device, grid, args, consts: dict) -> Optional[Future]:
     """Compile ``kernel``'s specialisation for the launch ``kernel[grid](*args, **consts)`` on a background thread,
     once per ``(kernel, key)`` in this process; ``key`` names the specialisation as the launcher computes it for
     :func:`wait_for`. The arguments may be stand-ins of the real launch's (only what Triton specialises on must
     match). Returns the compile's future, or None where nothing was started (off, not CUDA, already started)."""
-    if not ENABLED or device.type != "cuda":
+    if not can_start(device):
         return None
     global _pool
     k = (kernel, key)

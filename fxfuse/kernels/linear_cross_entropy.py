@@ -207,13 +207,13 @@ if HAVE_TRITON:
             tl.store(x_ptr + offs, (x.to(tl.float32) * g).to(x_ptr.dtype.element_ty), mask=m)
 
 
-def _scale_launch(t: torch.Tensor, g: torch.Tensor):
-    """(grid, args, constexprs, specialisation key) of :func:`scale_by_device_scalar_`'s kernel (``n`` is not
-    specialised on: only the dtypes and x's alignment make a new kernel)."""
-    BLOCK = 4096
-    consts = dict(BLOCK=BLOCK, num_warps=8)
-    key = (t.device.index, t.dtype, t.data_ptr() % 16 == 0, g.dtype)
-    return (triton.cdiv(t.numel(), BLOCK),), (t, t.numel(), g), consts, key
+_SCALE_CONSTS = dict(BLOCK=4096, num_warps=8)
+
+
+def _scale_key(t: torch.Tensor, g: torch.Tensor) -> tuple:
+    """The specialisation of :func:`scale_by_device_scalar_`'s kernel for ``t`` (``n`` is not specialised on: only
+    the dtypes and t's alignment make a new kernel)."""
+    return (t.device.index, t.dtype, t.data_ptr() % 16 == 0, g.dtype)
 
 
 def scale_by_device_scalar_(t: torch.Tensor, g: torch.Tensor) -> None:
@@ -225,18 +225,16 @@ def scale_by_device_scalar_(t: torch.Tensor, g: torch.Tensor) -> None:
     if t.numel() == 0:
         return
     if use_triton(t, FORCE_TRITON) and t.is_contiguous():
-        grid, args, consts, key = _scale_launch(t, g)
-        if background_compile.in_flight():
-            background_compile.wait_for(_scale_by_device_scalar_kernel, key)
-        _scale_by_device_scalar_kernel[grid](*args, **consts)
+        if background_compile.in_flight():  # its warm-up (lce_prewarm) still compiling: wait for it
+            background_compile.wait_for(_scale_by_device_scalar_kernel, _scale_key(t, g))
+        _scale_by_device_scalar_kernel[(triton.cdiv(t.numel(), _SCALE_CONSTS["BLOCK"]),)](t, t.numel(), g,
+                                                                                         **_SCALE_CONSTS)
     else:
         t.mul_(g)
 
 
 def _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
-    """(args, constexprs, specialisation key) of one row-kernel launch over the [C, V] chunk ``buf`` (the grid is
-    (C,)). The key holds what Triton compiles a new kernel for: the pointers' dtypes, the integer arguments (by
-    value: V and ignore_index are the model's, the strides V and 0 or 1), the constexprs, the logits' alignment."""
+    """(args, constexprs) of one row-kernel launch over the [C, V] chunk ``buf`` (the grid is (C,))."""
     C, V = buf.shape
     # fp32 logits keep the exact tanh (tanh.approx's ~2^-11 relative error is far above fp32's: 1e-4 on the loss at
     # softcap 30); bf16 / fp16 logits are rounded coarser than that already.
@@ -253,10 +251,16 @@ def _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale,
                   WRITE_LOSS=loss_out is not None, WRITE_GRAD=bool(write_grad),
                   SOFTCAP=bool(softcap), SMOOTH=eps != 0.0, BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh, RN=rounded_z(buf),
                   num_warps=num_warps)
-    key = (buf.device.index, buf.data_ptr() % 16 == 0,
-           tuple(a.dtype if isinstance(a, torch.Tensor) else (a if isinstance(a, int) else float) for a in args),
-           tuple(sorted(consts.items())))
-    return args, consts, key
+    return args, consts
+
+
+def _rows_key(args, consts) -> tuple:
+    """What Triton compiles a new row kernel for: the pointers' dtypes, the integer arguments (by value: V and
+    ignore_index are the model's, the strides V and 0 or 1), the constexprs, the logits' alignment."""
+    buf = args[0]
+    return (buf.device.index, buf.data_ptr() % 16 == 0,
+            tuple(a.dtype if isinstance(a, torch.Tensor) else (a if isinstance(a, int) else float) for a in args),
+            tuple(sorted(consts.items())))
 
 
 def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
@@ -266,10 +270,10 @@ def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale,
     if C == 0:
         return
     assert buf.stride(1) == 1, "logits chunk rows must be contiguous"
-    args, consts, key = _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps,
-                                     write_grad)
+    args, consts = _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps,
+                                write_grad)
     if background_compile.in_flight():  # its warm-up (lce_prewarm) still compiling: wait, do not compile it twice
-        background_compile.wait_for(_lce_rows_kernel, key)
+        background_compile.wait_for(_lce_rows_kernel, _rows_key(args, consts))
     _lce_rows_kernel[(C,)](*args, **consts)
 
 
@@ -288,9 +292,9 @@ def lce_prewarm(hidden, weight, target, bias, ignore_index: int, reduction: str,
     and the fresh gradients are)."""
     V = weight.shape[0]
     device = hidden.device if device is None else device
-    if not (HAVE_TRITON and background_compile.ENABLED and (device.type == "cuda" or FORCE_TRITON)) \
+    if not (HAVE_TRITON and (background_compile.can_start(device) or (background_compile.ENABLED and FORCE_TRITON))) \
             or not isinstance(V, int):
-        return  # (background_compile.start itself starts nothing but on CUDA)
+        return  # (FORCE_TRITON: the CPU tests' keys; background_compile.start itself starts nothing but on CUDA)
     gb = need_gb and bias is not None
     write_grad = bool(grad_in_forward) and (need_gh or need_gw or gb)
     key = (device, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, V, int(ignore_index),
@@ -309,14 +313,15 @@ def lce_prewarm(hidden, weight, target, bias, ignore_index: int, reduction: str,
             g_bwd = torch.empty(1, **f32) if reduction == "none" else g
             launches.append((buf, tgt, g_bwd, None, None, torch.empty((2, 1), **f32), True))
         for b, t, gg, loss_out, lse_out, lse_in, wg in launches:
-            args, consts, k = _rows_launch(b, t, gg, loss_out, lse_out, lse_in, ignore_index, scale, softcap,
-                                           label_smoothing, wg)
-            background_compile.start(_lce_rows_kernel, k, device, (1,), args, consts)
+            args, consts = _rows_launch(b, t, gg, loss_out, lse_out, lse_in, ignore_index, scale, softcap,
+                                        label_smoothing, wg)
+            background_compile.start(_lce_rows_kernel, _rows_key(args, consts), device, (1,), args, consts)
         if write_grad:  # the backward scales the saved gradients by the upstream grad (linear_cross_entropy.py)
             for dt in {dt for dt, need in ((hidden.dtype, need_gh), (weight.dtype, need_gw),
                                            (None if bias is None else bias.dtype, gb)) if need}:
-                grid, args, consts, k = _scale_launch(torch.empty(16, dtype=dt, device=device), g)
-                background_compile.start(_scale_by_device_scalar_kernel, k, device, grid, args, consts)
+                t16 = torch.empty(16, dtype=dt, device=device)
+                background_compile.start(_scale_by_device_scalar_kernel, _scale_key(t16, g), device, (1,),
+                                         (t16, t16.numel(), g), dict(_SCALE_CONSTS))
 
 
 # ================================================================================================ PyTorch twin

@@ -169,8 +169,7 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
     future, or None where there is nothing to start: prewarming off, not a CUDA launch, operands the kernel
     declines, or this specialisation already started in this process."""
     device = a.device if device is None else device
-    if not background_compile.ENABLED or device.type != "cuda" or \
-            not lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device):
+    if not background_compile.can_start(device) or not lowrank_gemm_supported(a, b, v, u, bias, b_kn, u_kn, device):
         return None
     M = a.shape[0]
     N = b.shape[1] if b_kn else b.shape[0]

@@ -53,6 +53,7 @@ from ..contracts import OpContract
 from ._lm_head import (LM_HEAD_DTYPES, check_class_indices, chunk_budget, empty_weight_grads,
                        flatten_and_grad_flags)
 from ..errors import FxFuseError
+from ..kernels import background_compile
 from ..kernels import linear_cross_entropy as K
 from ..autocast import register_autocast_casts
 
@@ -108,8 +109,8 @@ def _(hidden, weight, target, bias, ignore_index, reduction, softcap, scale, lab
     V = weight.shape[0]
     wh, ww, wb = _fwd_writes(bias, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     # Traced means a real call is coming: its Triton specialisations start compiling now (on threads)
-    K.lce_prewarm(hidden, weight, target, bias, ignore_index, reduction, softcap, scale, label_smoothing,
-                  grad_in_forward, grad_hidden, grad_weight, grad_bias)
+    background_compile.ask_ahead(K.lce_prewarm, hidden, weight, target, bias, ignore_index, reduction, softcap,
+                                 scale, label_smoothing, grad_in_forward, grad_hidden, grad_weight, grad_bias)
     f32 = torch.float32
     loss = hidden.new_empty((N,) if reduction == "none" else (), dtype=f32)
     lse = hidden.new_empty((2, N), dtype=f32)  # row max, log S

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ..contracts import OpContract
+from ..kernels import background_compile
 from ..kernels import lora_linear as K
 from ..autocast import register_autocast_casts
 
@@ -138,7 +139,8 @@ _lib.impl("lora_linear_bwd", _lora_linear_bwd_impl, "CompositeExplicitAutograd")
 @torch.library.register_fake("fxfuse::lora_linear_fwd", lib=_lib)
 def _(x, weights, biases, bias_of, A, Bs, seeds, ranks, counts, scalings, dropout_p):
     # Traced means a real call is coming: its Triton specialisations start compiling now (on threads)
-    K.prewarm(x, weights, [biases[k] if k >= 0 else None for k in bias_of], A, Bs, ranks, counts, dropout_p)
+    background_compile.ask_ahead(K.prewarm, x, weights, [biases[k] if k >= 0 else None for k in bias_of], A, Bs,
+                                 ranks, counts, dropout_p)
     return [x.new_empty((x.shape[0], w.shape[0])) for w in weights], x.new_empty((x.shape[0], A.shape[0]))
 
 
