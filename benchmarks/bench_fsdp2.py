@@ -129,6 +129,21 @@ class _BackendSplit:
         return {k: round(v, 2) for k, v in self.s.items()}
 
 
+
+def _attention_costs_nothing() -> None:
+    """``FSDP_FLOOR=no-attention``: a bound, not a model. HF's "sdpa" attention becomes ``q + k + v`` (k and v
+    repeated over their query heads), so every projection still gets its gradient and its GEMMs, and the step
+    measures what the rest costs: the time no attention kernel, however fast, can take below. The losses of such a
+    run mean nothing."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def no_attention(module, query, key, value, attention_mask, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        return (query + repeat_kv(key, groups) + repeat_kv(value, groups)).transpose(1, 2).contiguous(), None
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = no_attention
+
 def _start_together():
     """Every rank leaves here at about the same moment: a barrier on the process group's store (it starts no NCCL
     communicator; the first step's first all-gather still does, in every impl). The ranks' setups end seconds apart
@@ -240,6 +255,11 @@ def main(impl):
     torch.manual_seed(0)
     with torch.device(dev):  # built on the GPU: a CPU init of billions of fp32 parameters takes minutes
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    floor = os.environ.get("FSDP_FLOOR", "")
+    if floor == "no-attention":
+        _attention_costs_nothing()
+    elif floor:
+        raise SystemExit(f"FSDP_FLOOR={floor!r}: only 'no-attention'")
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -280,7 +300,11 @@ def main(impl):
         fwd = fxfuse.compile_regions(model, passes=[])
     elif impl == "fxfuse-regions-nolora":
         fwd = fxfuse.compile_regions(model, passes={"lora_linear": False, "lora_horizontal": False})
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    # foreach (the default here, every row so far) or fused (torchtitan's default): the same for every impl of a table
+    opt_impl = os.environ.get("FSDP_OPT", "foreach")
+    if opt_impl not in ("foreach", "fused"):
+        raise SystemExit(f"FSDP_OPT={opt_impl!r}: foreach or fused")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, **{opt_impl: True})
     B, S = (2, 64) if small else (int(os.environ.get("FSDP_ROWS", 2)), int(os.environ.get("FSDP_SEQ", 2048)))
     g = torch.Generator(device=dev).manual_seed(100 + rank)
     ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev, generator=g)
@@ -398,7 +422,8 @@ def main(impl):
                rows=B, padded=mask is not None, tail_unit=tail, first_step=breakdown,
                peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None,
                first_step_cpu_s=cpu_first, loss_step11=loss11[0], first_step_starts="together (store barrier)",
-               tag=os.environ.get("FSDP_TAG", ""))
+               tag=os.environ.get("FSDP_TAG", ""), floor=floor or None,
+               optimizer=f"AdamW {opt_impl}")
     if sampler is not None:
         row["first_step_sampled"] = sampler.summary()
     if background:  # the steps between the first and the first all-compiled one, and each graph's compile

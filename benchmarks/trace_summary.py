@@ -6,7 +6,8 @@ Prints (and returns, as a dict) per step: the wall time the trace's kernels span
 runs (the union of the non-NCCL kernels' intervals, any stream), the GPU idle time (neither compute nor NCCL),
 NCCL kernel time and the part of it no compute kernel overlaps (communication that the step waits for, if the
 compute stream waits on it), and the kernel time by kind: matmuls, attention, Triton (Inductor's and fxfuse's
-fused kernels), the optimizer's foreach kernels, copies / casts, NCCL and the rest, with the top kernels by time.
+fused kernels), the optimizer's foreach kernels, copies / casts, NCCL and the rest, with the top kernels by time,
+and the longest stretches without a compute kernel (where, how long, what NCCL ran there, between which kernels).
 Kernel names decide the kind (cuBLAS / CUTLASS / nvjet are matmuls, flash / fmha / cudnn / fxfuse's attention
 kernels are attention, ``triton_`` are Inductor's fused kernels, ``ncclDevKernel`` / ``ncclKernel`` NCCL).
 """
@@ -73,7 +74,36 @@ def _uncovered(xs: List[Tuple[float, float]], cover: List[Tuple[float, float]]) 
     return total
 
 
-def summarize(trace: Dict, steps: int = 1, top: int = 15) -> Dict:
+def compute_gaps(kernels: List[Dict], iv: List[Tuple[float, float]], compute: List[Tuple[float, float]],
+                 top: int = 8) -> List[Dict]:
+    """The longest stretches of the trace with no compute kernel running (the step waits there: for NCCL, for the
+    host, or for nothing), longest first: where it starts (ms from the trace's first kernel), how long it is, how
+    much of it NCCL kernels cover and which (their names, shortened), and the compute kernels just before and after
+    it, which place it in the step (the first all-gather before the first layer's GEMMs, the last reduce-scatter
+    before the optimizer's kernels)."""
+    t0 = min(a for a, _ in iv)
+    holes = [(b0, a1) for (_, b0), (a1, _) in zip(compute, compute[1:]) if a1 > b0]
+    out = []
+    for a, b in sorted(holes, key=lambda h: h[0] - h[1])[:top]:
+        nccl = [(max(x, a), min(y, b), e["name"]) for (x, y), e in zip(iv, kernels)
+                if kind_of(e["name"]) == "nccl" and x < b and y > a]
+        before = max(((y, e["name"]) for (x, y), e in zip(iv, kernels) if kind_of(e["name"]) != "nccl" and y <= a),
+                     default=(0.0, ""))[1]
+        after = min(((x, e["name"]) for (x, y), e in zip(iv, kernels) if kind_of(e["name"]) != "nccl" and x >= b),
+                    default=(0.0, ""))[1]
+        out.append({"at_ms": round((a - t0) / 1e3, 2), "ms": round((b - a) / 1e3, 2),
+                    "nccl_ms": round(_length(_union([(x, y) for x, y, _ in nccl])) / 1e3, 2),
+                    "nccl": sorted({_short(n) for _, _, n in nccl}), "before": _short(before), "after": _short(after)})
+    return out
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments and argument list, at most 60 characters."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    return name.split("<")[0].split("(")[0][:60]
+
+
+def summarize(trace: Dict, steps: int = 1, top: int = 15, gaps: int = 8) -> Dict:
     kernels = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel",
                                                                                                    "gpu_memcpy",
                                                                                                    "gpu_memset")]
@@ -96,6 +126,7 @@ def summarize(trace: Dict, steps: int = 1, top: int = 15) -> Dict:
         rec[1] += 1
     ms = lambda us: round(us / 1e3 / steps, 2)  # noqa: E731  (per step, ms)
     return {
+        "compute_gaps": compute_gaps(kernels, iv, compute, top=gaps),
         "steps": steps,
         "span_ms": ms(span),
         "compute_busy_ms": ms(_length(compute)),

@@ -29,3 +29,20 @@ def test_inductor_kernels_are_triton_whatever_ops_they_name():
     assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert kind_of("_lce_rows_kernel") == "lm-head loss"
     assert kind_of("void at::native::multi_tensor_apply_kernel<AdamW>") == "optimizer"
+
+
+def test_compute_gaps_are_placed_between_their_kernels_with_the_nccl_inside():
+    trace = {"traceEvents": [
+        _k("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 400),  # the step's first gather
+        _k("nvjet_sm90_tst_gemm", 400, 700),
+        _k("triton_poi_fused_mul_0", 1100, 300),                                            # hole 1400-1500: idle
+        _k("_attn_fwd", 1500, 500),
+        _k("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 1900, 700),                       # 2000-2600 exposed
+        _k("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<Adam>(int)", 2600, 300),
+    ]}
+    gaps = summarize(trace, steps=1)["compute_gaps"]
+    # the hole before the first compute kernel is not between two compute kernels: not listed
+    assert [(g["at_ms"], g["ms"], g["nccl_ms"]) for g in gaps] == [(2.0, 0.6, 0.6), (1.4, 0.1, 0.0)]
+    assert gaps[0]["nccl"] == ["ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"]
+    assert gaps[0]["before"] == "_attn_fwd" and gaps[0]["after"] == "at::native::multi_tensor_apply_kernel"
+    assert gaps[1]["nccl"] == [] and gaps[1]["before"] == "triton_poi_fused_mul_0"
