@@ -399,10 +399,11 @@ def main(impl):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     n = int(os.environ.get("FSDP_STEPS", 8)) if not small else 2
-    times = []
+    times, host = [], []
     for _ in range(n):  # one sync a step (the step ends in the optimizer anyway): the median drops an outlier
         t0 = time.perf_counter()
         loss = step()
+        host.append(time.perf_counter() - t0)  # the host's issue time: near the step's, the GPU waited on the host
         sync()
         times.append(time.perf_counter() - t0)
     loss = loss.item()
@@ -414,7 +415,7 @@ def main(impl):
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
-               step_ms_all=[round(t * 1e3, 1) for t in times], first_step_s=round(first, 1),
+               step_ms_all=[round(t * 1e3, 1) for t in times], step_host_ms_all=[round(t * 1e3, 1) for t in host], first_step_s=round(first, 1),
                setup_s=round(setup, 1), start_to_first_step_s=round(setup + first, 1),
                caches="kept" if os.environ.get("KEEP_CACHES") == "1" else "cleared",
                commit=os.environ.get("COMMIT", "?"), loss0=round(l0, 4), loss_last=round(loss, 4),

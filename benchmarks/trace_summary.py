@@ -7,13 +7,15 @@ runs (the union of the non-NCCL kernels' intervals, any stream), the GPU idle ti
 NCCL kernel time and the part of it no compute kernel overlaps (communication that the step waits for, if the
 compute stream waits on it), and the kernel time by kind: matmuls, attention, Triton (Inductor's and fxfuse's
 fused kernels), the optimizer's foreach kernels, copies / casts, NCCL and the rest, with the top kernels by time,
-and the longest stretches without a compute kernel (where, how long, what NCCL ran there, between which kernels).
+the longest stretches without a compute kernel (where, how long, what NCCL ran there, between which kernels), and
+what the host was doing while the GPU ran nothing (the CPU ops overlapping those gaps, inclusive).
 Kernel names decide the kind (cuBLAS / CUTLASS / nvjet are matmuls, flash / fmha / cudnn / fxfuse's attention
 kernels are attention, ``triton_`` are Inductor's fused kernels, ``ncclDevKernel`` / ``ncclKernel`` NCCL).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import defaultdict
@@ -97,6 +99,36 @@ def compute_gaps(kernels: List[Dict], iv: List[Tuple[float, float]], compute: Li
     return out
 
 
+def host_during_idle(trace: Dict, kernels: List[Dict], iv: List[Tuple[float, float]], steps: int = 1,
+                     min_gap_us: float = 5.0, top: int = 20) -> Dict:
+    """What the host was doing while the GPU ran nothing at all (no kernel, NCCL's included): the GPU waits for
+    the host there. Each CPU op (``cpu_op`` / ``user_annotation`` events of every thread: the main one and the
+    autograd engine's) is credited with its overlap with those gaps (gaps shorter than ``min_gap_us`` are left
+    out: a launch's own latency), so nested ops each get their inclusive share; the longest first, per step."""
+    busy = _union(iv)
+    gaps = [(b0, a1) for (_, b0), (a1, _) in zip(busy, busy[1:]) if a1 - b0 >= min_gap_us]
+    starts = [a for a, _ in gaps]
+    per: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in ("cpu_op", "user_annotation") or "dur" not in e:
+            continue
+        s0 = float(e["ts"])
+        s1 = s0 + float(e["dur"])
+        i = max(0, bisect.bisect_right(starts, s0) - 1)
+        got = 0.0
+        while i < len(gaps) and gaps[i][0] < s1:
+            got += max(0.0, min(s1, gaps[i][1]) - max(s0, gaps[i][0]))
+            i += 1
+        if got > 0:
+            rec = per[e.get("name", "?")[:100]]
+            rec[0] += got
+            rec[1] += 1
+    ms = lambda us: round(us / 1e3 / steps, 2)  # noqa: E731
+    return {"gaps": int(len(gaps) / steps), "gap_ms": ms(_length(gaps)),
+            "ops": [{"name": n, "ms": ms(v[0]), "events": int(v[1] / steps)}
+                    for n, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
 def _short(name: str) -> str:
     """A kernel's name without its template arguments and argument list, at most 60 characters."""
     name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
@@ -127,6 +159,7 @@ def summarize(trace: Dict, steps: int = 1, top: int = 15, gaps: int = 8) -> Dict
     ms = lambda us: round(us / 1e3 / steps, 2)  # noqa: E731  (per step, ms)
     return {
         "compute_gaps": compute_gaps(kernels, iv, compute, top=gaps),
+        "host_during_idle": host_during_idle(trace, kernels, iv, steps),
         "steps": steps,
         "span_ms": ms(span),
         "compute_busy_ms": ms(_length(compute)),

@@ -46,3 +46,20 @@ def test_compute_gaps_are_placed_between_their_kernels_with_the_nccl_inside():
     assert gaps[0]["nccl"] == ["ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"]
     assert gaps[0]["before"] == "_attn_fwd" and gaps[0]["after"] == "at::native::multi_tensor_apply_kernel"
     assert gaps[1]["nccl"] == [] and gaps[1]["before"] == "triton_poi_fused_mul_0"
+
+
+def test_host_during_idle_credits_the_cpu_ops_over_the_gpu_gaps():
+    cpu = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                        "pid": 99, "tid": tid}
+    trace = {"traceEvents": [
+        _k("nvjet_sm90_tst_gemm", 0, 100),
+        _k("ncclDevKernel_AllGather_RING_LL", 100, 100),   # NCCL counts as busy: no gap 100-200
+        _k("triton_poi_fused_mul_0", 500, 100),            # gap 200-500
+        _k("_attn_fwd", 602, 100),                          # gap 600-602: under min_gap_us, left out
+        cpu("fxfuse::lora_linear_bwd", 150, 300),           # 200-450 of the gap: 250 us
+        cpu("aten::mm", 400, 200),                          # nested: 400-500: 100 us
+        cpu("Optimizer.step", 0, 150, tid=2),               # before the gap: nothing
+    ]}
+    h = summarize(trace, steps=1)["host_during_idle"]
+    assert h["gaps"] == 1 and h["gap_ms"] == 0.3
+    assert [(o["name"], o["ms"]) for o in h["ops"]] == [("fxfuse::lora_linear_bwd", 0.25), ("aten::mm", 0.1)]
