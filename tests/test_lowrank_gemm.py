@@ -299,3 +299,69 @@ def test_forked_child_forgets_the_parents_warm_ups(monkeypatch):
         assert ("k",) in BC._pending and ("k",) in BC._started
     finally:
         BC._started.discard(("k",))
+
+
+def test_second_launch_of_a_layout_replays_with_its_own_operands(monkeypatch):
+    """A launch's Python (configs, five tile descriptors, Triton's argument binding) is paid once per layout: a
+    later call with the same sizes, strides, dtypes and alignment launches the recorded binary with its own
+    operands in every slot (the descriptors rebuilt over them), and any other layout or a bias of another alignment
+    takes Triton's path again. On CPU a stand-in kernel records the launches (replays are for compiled kernels)."""
+    from fxfuse.kernels import launch_cache
+    from tests.test_launch_cache import _Binary
+
+    monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: True)
+    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
+    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(G, "_DESCRIPTORS", {})
+    monkeypatch.setattr(G, "_PLANS", launch_cache.PlanCache())
+
+    import inspect
+    from types import SimpleNamespace
+
+    real = G._lowrank_gemm_kernel
+    names = list(inspect.signature(getattr(real, "fn", real)).parameters)  # the real kernel's, constexprs included
+
+    class StandIn:
+        params = [SimpleNamespace(name=n) for n in names]
+
+        def __init__(self):
+            self.binary, self.jit_calls = _Binary(), []
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                self.jit_calls.append(args)
+                return self.binary
+            return call
+
+    kern = StandIn()
+    monkeypatch.setattr(G, "_lowrank_gemm_kernel", kern)
+    a, b, v, u, bias = _operands(70, 36, 104, 4, False, False, True)
+    G.lowrank_gemm(a, b, v, u, bias)
+    assert len(kern.jit_calls) == 1 and kern.binary.launches == []
+    a2, b2, v2, u2, bias2 = _operands(70, 36, 104, 4, False, False, True, seed=1)
+    c2 = G.lowrank_gemm(a2, b2, v2, u2, bias2)
+    assert len(kern.jit_calls) == 1
+    (grid, stream, args), = kern.binary.launches
+    recorded = kern.jit_calls[0]
+    assert stream == 7 and grid[1:] == (1, 1)  # the recorded 1-D grid
+    descs = args[:5]
+    assert [d.base for d in descs] == [a2, b2, v2, u2, c2]
+    assert [(d.shape, d.strides, d.block_shape) for d in descs] == \
+        [(d.shape, d.strides, d.block_shape) for d in recorded[:5]]
+    assert args[5] is bias2 and args[6:9] == recorded[6:9]  # bias, then M, N, K as recorded
+    assert len(args) == len(names)  # every parameter, the constexprs too
+    # another layout (rows), no bias, or a bias of another alignment: Triton's path
+    G.lowrank_gemm(*_operands(72, 36, 104, 4, False, False, True)[:4], bias2)
+    G.lowrank_gemm(a2, b2, v2, u2)
+    shifted = torch.randn(37)[1:]
+    G.lowrank_gemm(a2, b2, v2, u2, shifted)
+    assert len(kern.jit_calls) == 4 and len(kern.binary.launches) == 1
+
+
+def test_supported_is_remembered_by_layout_and_alignment():
+    """The answer is kept per layout, but a misaligned operand of a remembered layout is still declined."""
+    a, b, v, u, _ = _operands(16, 24, 32, 4, False, False, False)
+    assert G.lowrank_gemm_supported(a, b, v, u)
+    misaligned = torch.randn(16 * 32 + 1)[1:].view(16, 32)  # a's sizes and strides, 4 bytes off
+    assert not G.lowrank_gemm_supported(misaligned, b, v, u)
+    assert G.lowrank_gemm_supported(a.clone(), b, v, u)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from . import background_compile
+from .launch_cache import PlanCache, Recorder, rebase_descriptor
 from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpreting, sm_count, smem_limit,
                              tile_addressable, tl, triton)
 
@@ -110,6 +111,20 @@ def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
             (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
 
 
+def _layout_key(a, b, v, u, bias, b_kn: bool, u_kn: bool) -> tuple:
+    """Everything a launch depends on but the operands' data: their device, dtypes, sizes and strides, the bias's
+    presence and dtype, the layouts. Sizes go in whole, not by divisibility: a replayed launch passes the recorded
+    M, N, K and grid, and its descriptors keep the recorded shapes and strides."""
+    return (a.device, a.dtype, b.dtype, v.dtype, u.dtype, None if bias is None else bias.dtype,
+            tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), tuple(v.shape), v.stride(), tuple(u.shape),
+            u.stride(), b_kn, u_kn, PERSISTENT)
+
+
+# lowrank_gemm_supported's answers for real (not meta) operands by layout and alignment: LoRA asks for every
+# projection of every call, and the full check (19 us on the H200 machine's host) is most of a replayed launch.
+_SUPPORTED: dict = {}
+
+
 def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool = False,
                            device: Optional[torch.device] = None) -> bool:
     """Whether :func:`lowrank_gemm` can run these operands: Triton on CUDA sm_90+ with 16-bit operands of one
@@ -117,6 +132,20 @@ def lowrank_gemm_supported(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool
     rows and base), the output's row too. ``device``: where operands given as meta tensors will live."""
     if not (HAVE_TRITON and ENABLED) or v.shape[1] > 64 or v.shape[1] == 0 or a.shape[0] == 0:
         return False
+    if device is not None or a.device.type == "meta":
+        return _supported(a, b, v, u, bias, b_kn, u_kn, device)
+    # what the answer reads of the data: the operands' base alignment (the output is fresh, always aligned)
+    key = (_layout_key(a, b, v, u, bias, b_kn, u_kn),
+           (a.data_ptr() | b.data_ptr() | v.data_ptr() | u.data_ptr()) % 16 == 0, interpreting())
+    ok = _SUPPORTED.get(key)
+    if ok is None:
+        if len(_SUPPORTED) >= 1024:  # many distinct shapes: start over rather than grow
+            _SUPPORTED.clear()
+        ok = _SUPPORTED[key] = _supported(a, b, v, u, bias, b_kn, u_kn, None)
+    return ok
+
+
+def _supported(a, b, v, u, bias, b_kn: bool, u_kn: bool, device: Optional[torch.device]) -> bool:
     device = a.device if device is None else device
     dt = a.dtype
     if any(t.dtype != dt for t in (b, v, u)) or (bias is not None and bias.dtype != dt):
@@ -180,6 +209,15 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
                                     grid, args, consts)
 
 
+# Replays of a launch by layout (launch_cache.py), and the five tile descriptors' templates each replay rebuilds
+# over its own operands. The launcher's Python (configs, five descriptors, Triton's binding of 20 arguments) took 84
+# us of host time per launch on the H200 machine against 29 us for cuBLAS's mm + addmm_; under FSDP2 (8B widths,
+# LoRA r16, 2 x 4096 tokens per GPU) the LoRA forward was host-bound there: the GPU idled ~35 ms a step
+# (benchmarks/fsdp2_notes.md, twentieth session).
+_PLANS = PlanCache()
+_DESCRIPTORS: dict = {}
+
+
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
                  u_kn: bool = False) -> torch.Tensor:
     """``a @ op(b) + v @ op(u) (+ bias)`` in a's dtype with fp32 accumulation (see the module docstring for the
@@ -187,10 +225,24 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    key = _layout_key(a, b, v, u, bias, b_kn, u_kn)
+    templates = _DESCRIPTORS.get(key)
+    if templates is not None:
+        roles = (a, b, v, u, c, a if bias is None else bias,
+                 *(rebase_descriptor(t, x) for t, x in zip(templates, (a, b, v, u, c))))
+        replay = _PLANS.lookup(key, roles)
+        if replay is not None and replay(roles, a.device.index):
+            return c
     grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
     if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
         background_compile.wait_for(_lowrank_gemm_kernel, _specialisation(a.device, a.dtype, args, consts))
-    _lowrank_gemm_kernel[grid](*args, **consts)
+    rec = Recorder()
+    rec.launch(_lowrank_gemm_kernel, grid, args, consts)
+    descs, bias_arg = args[:5], args[5]
+    if len(_DESCRIPTORS) >= _PLANS.max_entries:
+        _DESCRIPTORS.clear()
+    _DESCRIPTORS[key] = tuple(rebase_descriptor(d, None) for d in descs)
+    _PLANS.store(key, (a, b, v, u, c, bias_arg, *descs), rec)
     return c
 
 
