@@ -368,3 +368,15 @@ def test_supported_is_remembered_by_layout_and_alignment():
     misaligned = torch.randn(16 * 32 + 1)[1:].view(16, 32)  # a's sizes and strides, 4 bytes off
     assert not G.lowrank_gemm_supported(misaligned, b, v, u)
     assert G.lowrank_gemm_supported(a.clone(), b, v, u)
+
+
+def test_no_replay_where_fast_launch_is_off(monkeypatch):
+    """Under the interpreter or ``FXFUSE_TRITON_FAST_LAUNCH=0`` every launch goes through Triton, and nothing is
+    recorded for a replay."""
+    monkeypatch.setattr(G, "_DESCRIPTORS", {})
+    a, b, v, u, bias = _operands(33, 64, 40, 12, False, False, True)
+    for _ in range(2):
+        out = G.lowrank_gemm(a, b, v, u, bias)
+    assert G._DESCRIPTORS == {}
+    ref = G.lowrank_gemm_reference(a, b, v, u, bias)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from . import background_compile
+from . import launch_cache
 from .launch_cache import PlanCache, Recorder, rebase_descriptor
 from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpreting, sm_count, smem_limit,
                              tile_addressable, tl, triton)
@@ -236,6 +237,9 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
     if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
         background_compile.wait_for(_lowrank_gemm_kernel, _specialisation(a.device, a.dtype, args, consts))
+    if not launch_cache.fast_launch_enabled():  # the interpreter, or FXFUSE_TRITON_FAST_LAUNCH=0: no replays
+        _lowrank_gemm_kernel[grid](*args, **consts)
+        return c
     rec = Recorder()
     rec.launch(_lowrank_gemm_kernel, grid, args, consts)
     descs, bias_arg = args[:5], args[5]
