@@ -40,6 +40,22 @@ def bench(fn, warmup=3, reps=10):
     return ts[len(ts) // 2], float("nan")
 
 
+def host_us(fn, n=300, warmup=20):
+    """Host microseconds per call of ``fn`` issued back to back, and wall microseconds per call once the GPU has
+    caught up (with GPU work per call far below the host's cost, the first is the launch overhead)."""
+    sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    sync()
+    wall = (time.perf_counter() - t) / n * 1e6
+    return round(host, 1), round(wall, 1)
+
+
 def rel(a, b):
     """Norm-relative error of ``a`` against ``b`` (in fp32), rounded for JSON."""
     a, b = a.float(), b.float()

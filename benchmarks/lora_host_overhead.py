@@ -9,34 +9,15 @@ Run (device):  PYTHONPATH=. python3 benchmarks/lora_host_overhead.py   (on CPU: 
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
-from _common import DEV, jsonl_emitter
+from _common import DEV, host_us, jsonl_emitter
 
 import fxfuse  # noqa: F401  (registers the ops)
 from fxfuse.kernels import lora_linear as K
 
 emit = jsonl_emitter("lora_host_overhead.jsonl")
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    _sync()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    _sync()
-    wall = (time.perf_counter() - t) / n * 1e6
-    return round(host, 1), round(wall, 1)
 
 
 def main():

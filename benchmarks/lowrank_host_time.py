@@ -15,36 +15,16 @@ import cProfile
 import io
 import os
 import pstats
-import time
 
 import torch
 
-from _common import DEV, jsonl_emitter
+from _common import DEV, host_us, jsonl_emitter
 
 import fxfuse  # noqa: F401  (registers the ops)
 from fxfuse.kernels import lora_linear as K
 from fxfuse.kernels import lowrank_gemm as G
 
 emit = jsonl_emitter("lowrank_host_time.jsonl")
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def host_us(fn, n=300):
-    """Host microseconds per call issued back to back, and wall microseconds once the GPU caught up."""
-    for _ in range(20):
-        fn()
-    _sync()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    _sync()
-    wall = (time.perf_counter() - t) / n * 1e6
-    return round(host, 1), round(wall, 1)
 
 
 def main():
@@ -108,7 +88,8 @@ def main():
     for _ in range(200):
         G.lowrank_gemm(x, Ws[0], V[:, :r], Bs[0])
     prof.disable()
-    _sync()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(35)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "lowrank_host_cprofile.txt"), "w") as f:

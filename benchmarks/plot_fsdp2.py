@@ -18,14 +18,19 @@ ORDER = ["eager", "inductor", "inductor-regional", "fxfuse-layer", "fxfuse-regio
          "fxfuse-regions-nolora", "fxfuse-regions"]
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def call_rows(description: str):
+    """The command line every FSDP2 plot takes (a rows file, ``--call``, ``-o``): (arguments, that call's rows)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("rows")
     ap.add_argument("--call", type=int, required=True)
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
-    rows = [json.loads(x) for x in open(a.rows)]
-    rows = [r for r in rows if r.get("call") == a.call and "lora" in r and not r.get("padded")  # not the anchor's
+    return a, [r for r in map(json.loads, open(a.rows)) if r.get("call") == a.call]
+
+
+def main():
+    a, rows = call_rows(__doc__.split("\n")[0])
+    rows = [r for r in rows if "lora" in r and not r.get("padded")  # not the anchor's
             and r.get("rows", 2) == 2 and not r.get("passes_off")]
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.5))
     for ax, lora in zip(axes, (False, True)):

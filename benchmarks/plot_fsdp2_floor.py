@@ -9,13 +9,12 @@ asks for: Inductor per layer's step / 1.15 (full fine-tune), Inductor whole mode
 ``FSDP_FLOOR=no-attention`` run the model with attention replaced by ``q + k + v``: no attention kernel, however
 fast, takes the step below them.
 """
-import argparse
-import json
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from plot_fsdp2 import call_rows  # noqa: E402  (the same command line and rows of one call)
 
 KINDS = [("matmul", ("matmul",)), ("attention", ("attention",)), ("optimizer + FSDP2 copy-in", ("optimizer",)),
          ("copies / casts", ("copy/cast",)), ("fused elementwise, loss, other", ("triton", "lm-head loss", "other"))]
@@ -27,13 +26,8 @@ def label(r):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("rows")
-    ap.add_argument("--call", type=int, required=True)
-    ap.add_argument("-o", "--out", required=True)
-    a = ap.parse_args()
-    rows = [json.loads(x) for x in open(a.rows)]
-    rows = [r for r in rows if r.get("call") == a.call and r.get("profile") and "AdamW foreach" == r.get("optimizer")]
+    a, rows = call_rows(__doc__.split("\n")[0])
+    rows = [r for r in rows if r.get("profile") and r.get("optimizer") == "AdamW foreach"]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     for ax, lora in zip(axes, (False, True)):
         sel = sorted((r for r in rows if r["lora"] == lora), key=lambda r: (r.get("floor") or "", r["impl"]))
