@@ -1,6 +1,7 @@
 """Diagnostic: LoRA forward / grad x with the low-rank GEMM on against off (cuBLAS addmm_) at the Llama-3.2-1B
 shapes the e2e step uses (single projections and q/k/v, gate/up groups), with a LoRA term as large as the base
-term, repeated to catch a nondeterministic tile; and with the persistent loop not flattened."""
+term, repeated to catch a nondeterministic tile; as shipped (warp-specialised tile loop) and with the loop flattened
+and not warp-specialised (the setting before the twenty-first session)."""
 import json
 
 import torch
@@ -13,8 +14,10 @@ dev = "cuda"
 N = 8192
 cases = [("q single", 2048, (2048,)), ("k single", 2048, (512,)), ("qkv group", 2048, (2048, 512, 512)),
          ("gate/up group", 2048, (8192, 8192)), ("down single", 8192, (2048,))]
-for flatten in (True, False):
-    G.CONFIG["FLATTEN"] = flatten
+shipped = dict(G.CONFIG)
+for setting, cfg in (("shipped", shipped), ("flattened, no warp specialisation", dict(shipped, WS=False, FLATTEN=True))):
+    G.CONFIG.update(cfg)
+    G.forget_launches()
     for name, din, douts in cases:
         for p in (0.0, 0.05):
             r = 16
@@ -36,7 +39,7 @@ for flatten in (True, False):
                     outs.append((ys, V, gx))
                 res[on] = outs
             off = res[False][0]
-            row = dict(case=name, p=p, flatten=flatten)
+            row = dict(case=name, p=p, setting=setting)
             for j in range(n):
                 ref = off[0][j].double()
                 lr = (off[1][:, j * r:(j + 1) * r].double() @ Bs[j].double().t())
@@ -48,3 +51,4 @@ for flatten in (True, False):
             row["gx_on_vs_off"] = max(((o[2].double() - gref).norm() / gref.norm()).item() for o in res[True])
             print(json.dumps(row), flush=True)
 G.ENABLED = True
+G.CONFIG.update(shipped)

@@ -16,8 +16,13 @@ callers fall back to cuBLAS otherwise. Coordinates are int32 per dimension (the 
 no offset wraps at 2**31 elements.
 
 Where: CUDA with the copy engine (sm_90+), 16-bit operands; the Triton interpreter (CPU tests, fp32). Launch
-setting from a sweep on an H100 (``benchmarks/experiments/lora_lowrank_gemm.py``): 128 x 256 tiles, K step 64,
-3 stages, 8 warps, a flattened persistent loop over the tiles in groups of 8 row blocks (L2 reuse of B).
+setting: 128 x 256 tiles, K step 64, 3 stages, 8 warps, a persistent loop over the tiles in groups of 8 row blocks
+(L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``), with Triton's warp specialisation
+of the tile loop (TMA-loading and MMA warp groups apart, Hopper's producer / consumer split) and, where the output
+tile would crowd the pipeline out of shared memory (rank sums above 16), the output stored in two halves. On one
+H200 at the FSDP2 run's shapes (8B widths, 8192 tokens; ``benchmarks/experiments/lowrank_gemm_sweep.py``) that took
+a layer's forward + grad-x GEMMs from 9.54 to 8.89 ms (cuBLAS ``mm`` alone, no low-rank term: 8.57 ms): the grouped
+grad-x launches (ranks 48 and 32) had been cut to 2 stages by the full output tile and ran 27-36% slower.
 """
 from __future__ import annotations
 
@@ -35,9 +40,13 @@ from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpretin
 
 __all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
-CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8)
+# WS: warp specialisation of a Hopper loop (Triton >= 3.5, pyproject's floor); FLATTEN: the flattened tile loop,
+# the setting before it.
+CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=False, WS=True, SPLIT_EPI=False, num_stages=3,
+              num_warps=8)
 # The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
-INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, num_stages=1, num_warps=4)
+INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, WS=False, SPLIT_EPI=False, num_stages=1,
+                          num_warps=4)
 # FXFUSE_LORA_LOWRANK_GEMM=0 (or ENABLED = False at run time) keeps cuBLAS's ``addmm_`` path: benchmarks time both.
 ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
 # One program per SM walking the tiles (persistent) or one program per tile (FXFUSE_LOWRANK_GEMM_PERSISTENT=0):
@@ -51,15 +60,17 @@ if HAVE_TRITON:
     def _lowrank_gemm_kernel(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, M, N, K,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
                              B_KN: tl.constexpr, U_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                             GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+                             WS: tl.constexpr, SPLIT_EPI: tl.constexpr):
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(N, BN)
         k_tiles = tl.cdiv(K, BK)
         num_tiles = num_pid_m * num_pid_n
         in_group = GROUP_M * num_pid_n
         # Persistent: each program walks tiles NUM_PROGRAMS apart; consecutive tiles share a group of GROUP_M row
-        # blocks, so the B tiles they read stay in L2.
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        # blocks, so the B tiles they read stay in L2. WS: Triton splits the loop into warp groups that issue the TMA
+        # loads and warp groups that run the MMAs and the epilogue (Hopper's producer / consumer pattern).
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
             first_m = (tile // in_group) * GROUP_M
             size_m = min(num_pid_m - first_m, GROUP_M)
             om = (first_m + tile % size_m) * BM
@@ -80,7 +91,12 @@ if HAVE_TRITON:
             if HAS_BIAS:
                 cols = on + tl.arange(0, BN)
                 acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            c_desc.store([om, on], acc.to(c_desc.dtype))
+            if SPLIT_EPI:  # two [BM, BN / 2] stores (c's descriptor block is half the tile): half the staging
+                halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                c_desc.store([om, on], halves[0].to(c_desc.dtype))
+                c_desc.store([om, on + BN // 2], halves[1].to(c_desc.dtype))
+            else:
+                c_desc.store([om, on], acc.to(c_desc.dtype))
 
 
 def _config(device: torch.device, element_size: int, rank: int) -> Optional[dict]:
@@ -93,14 +109,20 @@ def _config(device: torch.device, element_size: int, rank: int) -> Optional[dict
 
 
 def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
-    """:data:`CONFIG` with as many pipeline stages (at most its own) as fit ``smem_limit`` bytes of shared memory
-    beside the low-rank and output tiles, or None below two stages."""
+    """:data:`CONFIG` fitted to ``smem_limit`` bytes of shared memory: its pipeline stages beside the low-rank tiles
+    and the output tile's staging, that tile stored in two halves when whole it would not fit (the stages are worth
+    more: at rank sums 32 and 64 two stages ran 27-36% slower), then fewer stages; None below two."""
     cfg = dict(CONFIG)
     BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], dot_pad(rank)
-    fixed = (BM * RP + RP * BN + BM * BN) * element_size
     per_stage = (BM * BK + BK * BN) * element_size
-    while cfg["num_stages"] > 1 and fixed + cfg["num_stages"] * per_stage > smem_limit - 1024:
-        cfg["num_stages"] -= 1  # 1 KiB kept for the pipeline's barriers
+
+    def fits(stages: int, split: bool) -> bool:  # 1 KiB kept for the pipeline's barriers
+        out_tile = BM * BN // (2 if split else 1)
+        return (BM * RP + RP * BN + out_tile) * element_size + stages * per_stage <= smem_limit - 1024
+
+    cfg["SPLIT_EPI"] = not fits(cfg["num_stages"], False)
+    while cfg["num_stages"] > 1 and not fits(cfg["num_stages"], cfg["SPLIT_EPI"]):
+        cfg["num_stages"] -= 1
     return cfg if cfg["num_stages"] > 1 else None
 
 
@@ -108,8 +130,9 @@ def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
     """(operand, tile shape) for each descriptor the kernel reads or writes (c: None while only checking)."""
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     RP = dot_pad(v.shape[1])
+    c_block = [BM, BN // 2] if cfg["SPLIT_EPI"] else [BM, BN]
     return [(a, [BM, BK]), (b, [BK, BN] if b_kn else [BN, BK]), (v, [BM, RP]),
-            (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, [BM, BN])] if c is not None else [])
+            (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, c_block)] if c is not None else [])
 
 
 def _layout_key(a, b, v, u, bias, b_kn: bool, u_kn: bool) -> tuple:
@@ -217,6 +240,14 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
 # (benchmarks/fsdp2_notes.md, twentieth session).
 _PLANS = PlanCache()
 _DESCRIPTORS: dict = {}
+
+
+def forget_launches() -> None:
+    """Drop the recorded launches and remembered support answers: after :data:`CONFIG` changes (experiments),
+    a replay would otherwise relaunch the binary of the setting it was recorded under."""
+    _PLANS.replays.clear()
+    _DESCRIPTORS.clear()
+    _SUPPORTED.clear()
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
