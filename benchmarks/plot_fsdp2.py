@@ -28,6 +28,14 @@ def call_rows(description: str):
     return a, [r for r in map(json.loads, open(a.rows)) if r.get("call") == a.call]
 
 
+def row_label(r) -> str:
+    """A row's impl and the settings that set it apart from the others of its impl."""
+    return (r["impl"] + (", accelerate units" if r.get("tail_unit") else "")  # FSDP_TAIL=1: embeddings; norm+head
+            + (", no JIT warm-up" if r.get("triton_prewarm") is False else "")
+            + (", background_compile" if r.get("background_compile") else "")
+            + (" (no attention: a floor)" if r.get("floor") == "no-attention" else ""))
+
+
 def main():
     a, rows = call_rows(__doc__.split("\n")[0])
     rows = [r for r in rows if "lora" in r and not r.get("padded")  # not the anchor's
@@ -36,12 +44,9 @@ def main():
     for ax, lora in zip(axes, (False, True)):
         sel = sorted((r for r in rows if r["lora"] == lora),
                      key=lambda r: (ORDER.index(r["impl"]), bool(r.get("tail_unit"))))
-        # FSDP_TAIL=1 rows: accelerate's units (embeddings; [final norm, lm-head])
-        names = [r["impl"] + (", accelerate units" if r.get("tail_unit") else "")
-                 + (", no JIT warm-up" if r.get("triton_prewarm") is False else "")
-                 + (f", run {sum(q['impl'] == r['impl'] for q in sel[:k + 1])}"
-                    if sum(q["impl"] == r["impl"] for q in sel) > 1 else "")
-                 for k, r in enumerate(sel)]
+        labels = [row_label(r) for r in sel]
+        names = [lab + (f", run {labels[:k + 1].count(lab)}" if labels.count(lab) > 1 else "")
+                 for k, lab in enumerate(labels)]
         tps = [r["tokens_per_s_per_gpu"] / 1e3 for r in sel]
         peak = [r["peak_gib"] for r in sel]
         colors = ["tab:green" if n.startswith("fxfuse") else "tab:gray" for n in names]

@@ -14,15 +14,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from plot_fsdp2 import call_rows  # noqa: E402  (the same command line and rows of one call)
+from plot_fsdp2 import call_rows, row_label  # noqa: E402  (the same command line, rows and labels)
 
 KINDS = [("matmul", ("matmul",)), ("attention", ("attention",)), ("optimizer + FSDP2 copy-in", ("optimizer",)),
          ("copies / casts", ("copy/cast",)), ("fused elementwise, loss, other", ("triton", "lm-head loss", "other"))]
 TARGETS = {False: ("inductor-regional", 1.15), True: ("inductor", 1.4)}
-
-
-def label(r):
-    return r["impl"] + (" (no attention: a floor)" if r.get("floor") == "no-attention" else "")
 
 
 def main():
@@ -52,7 +48,7 @@ def main():
             ax.text(len(sel) - 0.6, target + 3, f"target: {ratio}x {base_impl} = {target:.0f} ms", color="red",
                     ha="right", fontsize=8)
         ax.set_ylim(0, 1.15 * max(r["step_ms"] for r in sel))
-        ax.set_xticks(range(len(sel)), [label(r) for r in sel], rotation=15, ha="right", fontsize=8)
+        ax.set_xticks(range(len(sel)), [row_label(r) for r in sel], rotation=15, ha="right", fontsize=8)
         ax.set_ylabel("ms per step (GPU kernel time by kind, scaled to the step)")
         ax.set_title(("LoRA r16" if lora else "full fine-tune") + f", call {a.call}")
         ax.legend(fontsize=7, loc="lower right")
