@@ -398,3 +398,35 @@ def test_no_replay_where_fast_launch_is_off(monkeypatch):
     assert G._DESCRIPTORS == {}
     ref = G.lowrank_gemm_reference(a, b, v, u, bias)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_failed_warp_specialised_compile_launches_without_it(monkeypatch, caplog):
+    """Triton's warp-specialisation pass failed to compile some settings (4 warps) on the GPU: a first launch whose
+    warp-specialised compile raises runs without it, with a warning, and later launches of that specialisation skip
+    the attempt; other specialisations still try it. Stand-in: the real kernel (interpreted), made to raise when
+    asked for warp specialisation."""
+    monkeypatch.setattr(G, "INTERPRETER_CONFIG", dict(G.INTERPRETER_CONFIG, WS=True))
+    monkeypatch.setattr(G, "_NO_WS", set())
+    real = G._lowrank_gemm_kernel
+    asked = []
+
+    class FailsWarpSpecialised:
+        def __getitem__(self, grid):
+            def call(*args, **consts):
+                asked.append((consts["WS"], consts["RP"]))
+                if consts["WS"] and consts["RP"] == 16:
+                    raise RuntimeError("PassManager::run failed")
+                return real[grid](*args, **dict(consts, WS=False))  # the interpreter has no warp groups
+            return call
+
+    monkeypatch.setattr(G, "_lowrank_gemm_kernel", FailsWarpSpecialised())
+    a, b, v, u, bias = _operands(70, 36, 104, 4, False, False, True)
+    with caplog.at_level("WARNING", logger=G.__name__):
+        out = G.lowrank_gemm(a, b, v, u, bias)
+    ref = G.lowrank_gemm_reference(a, b, v, u, bias)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    assert asked == [(True, 16), (False, 16)] and "warp-specialised compile failed" in caplog.text
+    G.lowrank_gemm(a, b, v, u, bias)  # remembered: no second attempt
+    assert asked[2:] == [(False, 16)]
+    G.lowrank_gemm(*_operands(70, 36, 104, 40, False, False, False)[:4])  # rank 40 (RP 64): tries it, compiles
+    assert asked[3:] == [(True, 64)]

@@ -28,6 +28,7 @@ and 8.56 for ``mm`` alone.
 """
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import Future
 from typing import Optional
@@ -231,8 +232,34 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
     base = torch.empty(64, dtype=a.dtype, device=device)  # 128 bytes to stand on, aligned like any allocation
     c = torch.empty((M, N), dtype=a.dtype, device="meta")
     grid, args, consts = _launch_args(a, b, v, u, c, bias if bias is None else base, b_kn, u_kn, device, base)
-    return background_compile.start(_lowrank_gemm_kernel, _specialisation(device, a.dtype, args, consts), device,
-                                    grid, args, consts)
+    spec = _specialisation(device, a.dtype, args, consts)
+    if spec in _NO_WS:  # compile what the launch will run
+        consts = dict(consts, WS=False)
+    return background_compile.start(_lowrank_gemm_kernel, spec, device, grid, args, consts)
+
+
+log = logging.getLogger(__name__)
+# Specialisations whose warp-specialised compile failed (Triton's warp-specialisation pass is young: at 4 warps it
+# failed at every shape of the twenty-first session's sweep): they launch without it, the rest of the setting kept.
+_NO_WS: set = set()
+
+
+def _launch(kernel, grid, args, consts, spec, recorder: Optional[Recorder]):
+    """``kernel[grid](*args, **consts)``, recorded for replays if ``recorder``; a warp-specialised first launch
+    whose compile fails is launched once more without warp specialisation (the failure logged as a warning, the
+    specialisation remembered), so a Triton pass bug costs speed, not the run. A failure without it is raised."""
+    if consts["WS"] and spec in _NO_WS:
+        consts = dict(consts, WS=False)
+    try:
+        return recorder.launch(kernel, grid, args, consts) if recorder else kernel[grid](*args, **consts)
+    except Exception as e:  # noqa: BLE001  (Triton's compile errors have no common base class)
+        if not consts["WS"]:
+            raise
+        log.warning("fxfuse: the low-rank GEMM's warp-specialised compile failed (%s: %s); launching it without "
+                    "warp specialisation", type(e).__name__, str(e)[:200])
+        _NO_WS.add(spec)
+        consts = dict(consts, WS=False)
+        return recorder.launch(kernel, grid, args, consts) if recorder else kernel[grid](*args, **consts)
 
 
 # Replays of a launch by layout (launch_cache.py), and the five tile descriptors' templates each replay rebuilds
@@ -245,11 +272,13 @@ _DESCRIPTORS: dict = {}
 
 
 def forget_launches() -> None:
-    """Drop the recorded launches and remembered support answers: after :data:`CONFIG` changes (experiments),
-    a replay would otherwise relaunch the binary of the setting it was recorded under."""
+    """Drop the recorded launches and the remembered answers (support, failed warp-specialised compiles): after
+    :data:`CONFIG` changes (experiments), a replay would otherwise relaunch the binary of the setting it was recorded
+    under."""
     _PLANS.replays.clear()
     _DESCRIPTORS.clear()
     _SUPPORTED.clear()
+    _NO_WS.clear()
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
@@ -268,13 +297,14 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
         if replay is not None and replay(roles, a.device.index):
             return c
     grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
+    spec = _specialisation(a.device, a.dtype, args, consts)
     if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
-        background_compile.wait_for(_lowrank_gemm_kernel, _specialisation(a.device, a.dtype, args, consts))
+        background_compile.wait_for(_lowrank_gemm_kernel, spec)
     if not launch_cache.fast_launch_enabled():  # the interpreter, or FXFUSE_TRITON_FAST_LAUNCH=0: no replays
-        _lowrank_gemm_kernel[grid](*args, **consts)
+        _launch(_lowrank_gemm_kernel, grid, args, consts, spec, None)
         return c
     rec = Recorder()
-    rec.launch(_lowrank_gemm_kernel, grid, args, consts)
+    _launch(_lowrank_gemm_kernel, grid, args, consts, spec, rec)
     descs, bias_arg = args[:5], args[5]
     if len(_DESCRIPTORS) >= _PLANS.max_entries:
         _DESCRIPTORS.clear()
