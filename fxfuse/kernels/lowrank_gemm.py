@@ -21,10 +21,11 @@ setting: 128 x 256 tiles, K step 64, 3 stages, 8 warps, a persistent loop over t
 of the tile loop (TMA-loading and MMA warp groups apart, Hopper's producer / consumer split) and, where the output
 tile would crowd the pipeline out of shared memory (rank sums above 16), the output stored in two halves. At the
 FSDP2 run's shapes (8B widths, 8192 tokens; ``benchmarks/experiments/lowrank_gemm_sweep.py``), a layer's forward +
-grad-x GEMMs summed: 9.54 ms before, 8.82-8.89 ms with these settings (one H200; cuBLAS ``mm`` alone, no low-rank
-term, 8.57 ms); the grouped grad-x launches (ranks 48 and 32) had been cut to 2 stages by the whole output tile and
-ran 28-37% slower. The shipped kernel on a second H200: 9.09 ms, against 9.19 for cuBLAS's ``mm`` + ``addmm_``
-and 8.56 for ``mm`` alone.
+grad-x GEMMs summed: 9.54 ms before, 8.89 ms warp-specialised with the output in halves everywhere, 8.82 warp-
+specialised with whole tiles (one H200; cuBLAS ``mm`` alone, no low-rank term, 8.57 ms). The grouped grad-x
+launches (rank sums 48 and 32) had been cut to 2 stages by the whole output tile: 0.536 / 1.764 ms, against 0.399 /
+1.385 with halves and 3 stages, and 0.392 / 1.382 with warp specialisation too. The shipped kernel on a second
+H200: 9.09 ms, against 9.19 for cuBLAS's ``mm`` + ``addmm_`` and 8.55 for ``mm`` alone.
 """
 from __future__ import annotations
 
@@ -114,7 +115,9 @@ def _config(device: torch.device, element_size: int, rank: int) -> Optional[dict
 def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
     """:data:`CONFIG` fitted to ``smem_limit`` bytes of shared memory: its pipeline stages beside the low-rank tiles
     and the output tile's staging, that tile stored in two halves when whole it would not fit (the stages are worth
-    more: at rank sums 32 and 64 two stages ran 28-37% slower), then fewer stages; None below two."""
+    more: at rank sums 48 and 32 two stages ran 27-34% slower than three with halves), then fewer stages; None
+    below two. The count is conservative for the warp-specialised loop, which compiled whole tiles at 3 stages for
+    rank sums 32 and 64 in the sweep (``benchmarks/lora_notes.md``)."""
     cfg = dict(CONFIG)
     BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], dot_pad(rank)
     per_stage = (BM * BK + BK * BN) * element_size
