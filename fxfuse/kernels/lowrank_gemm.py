@@ -42,6 +42,8 @@ from .launch_cache import PlanCache, Recorder, rebase_descriptor
 from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpreting, sm_count, smem_limit,
                              tile_addressable, tl, triton)
 
+log = logging.getLogger(__name__)
+
 __all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
 # WS: warp specialisation of a Hopper loop (Triton >= 3.5, pyproject's floor); FLATTEN: the flattened tile loop,
@@ -241,7 +243,6 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
     return background_compile.start(_lowrank_gemm_kernel, spec, device, grid, args, consts)
 
 
-log = logging.getLogger(__name__)
 # Specialisations whose warp-specialised compile failed (Triton's warp-specialisation pass is young: at 4 warps it
 # failed at every shape of the twenty-first session's sweep): they launch without it, the rest of the setting kept.
 _NO_WS: set = set()
