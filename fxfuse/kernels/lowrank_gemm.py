@@ -252,18 +252,20 @@ def _launch(kernel, grid, args, consts, spec, recorder: Optional[Recorder]):
     """``kernel[grid](*args, **consts)``, recorded for replays if ``recorder``; a warp-specialised first launch
     whose compile fails is launched once more without warp specialisation (the failure logged as a warning, the
     specialisation remembered), so a Triton pass bug costs speed, not the run. A failure without it is raised."""
+    def go(c):
+        return recorder.launch(kernel, grid, args, c) if recorder else kernel[grid](*args, **c)
+
     if consts["WS"] and spec in _NO_WS:
         consts = dict(consts, WS=False)
     try:
-        return recorder.launch(kernel, grid, args, consts) if recorder else kernel[grid](*args, **consts)
+        return go(consts)
     except Exception as e:  # noqa: BLE001  (Triton's compile errors have no common base class)
         if not consts["WS"]:
             raise
         log.warning("fxfuse: the low-rank GEMM's warp-specialised compile failed (%s: %s); launching it without "
                     "warp specialisation", type(e).__name__, str(e)[:200])
         _NO_WS.add(spec)
-        consts = dict(consts, WS=False)
-        return recorder.launch(kernel, grid, args, consts) if recorder else kernel[grid](*args, **consts)
+        return go(dict(consts, WS=False))
 
 
 # Replays of a launch by layout (launch_cache.py), and the five tile descriptors' templates each replay rebuilds
