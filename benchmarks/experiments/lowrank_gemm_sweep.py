@@ -1,77 +1,89 @@
 """Experiment (issue 34, FSDP2 LoRA): the low-rank GEMM against cuBLAS at the FSDP2 run's shapes (8B widths, 8192
-tokens per GPU), and launch settings the twelfth session's sweep (16384 tokens, one H100) did not try.
+tokens per GPU), over launch settings, with the run-to-run spread measured.
 
-Under FSDP2 (2x H200, twenty-first session call 1) fxfuse's LoRA step spent 171.5 ms a step in
-``_lowrank_gemm_kernel`` plus 23.5 ms in the sibling projections' cuBLAS ``addmm_``; Inductor's cuBLAS GEMMs for the
-same products took about 164 ms in all. This times each projection's GEMM alone on one GPU: cuBLAS ``mm`` (the
-floor), the op's cuBLAS path (``mm(V, U.T)`` then ``addmm_``), fxfuse's kernel as shipped, and the same kernel
-launched directly over settings: tile shapes, stages, warps, row-block grouping, persistent or one program per tile, Triton's
-warp specialisation of the tile loop (Hopper's producer / consumer warp groups, Triton >= 3.5), and an epilogue
-stored in two halves (half the output tile's registers and shared memory live at once).
+Each projection's GEMM is timed alone on one GPU: cuBLAS ``mm`` (the floor), the op's cuBLAS path (``mm(V, U.T)``
+then ``addmm_``), fxfuse's kernel as the op launches it (``config_for``'s setting, replayed launches), and the same
+kernel launched directly at other settings (stages, output stored in halves, flattened loop, row-block grouping,
+tile shape). Descriptors are built once per setting, so host time stays out of the short launches.
+
+The twenty-first session timed each setting once, one after another, and shipped a 3% difference between two
+settings that compile to the same PTX (``compiled_for``). So: ``SWEEP_ROUNDS`` rounds (default 5), each timing every
+entry once (``do_bench``'s median), the entries' order rotated each round; a row gives each entry's median over the
+rounds and its spread (max - min over the rounds, as a fraction of the median), and each setting's PTX digest, so
+two settings that are one binary show as such. ``shipped-direct`` is the shipped setting launched like the others:
+against ``shipped`` it shows the launcher's cost and one more same-binary spread.
 
 Run (device machine):  PYTHONPATH=.:benchmarks python3 benchmarks/experiments/lowrank_gemm_sweep.py
 (``SWEEP_SETTINGS=a,b``: only those settings; ``SWEEP_SETTINGS=``: cuBLAS and the shipped kernel only).
-Writes $OUT/lowrank_gemm_sweep.jsonl (one row per shape: every setting's ms and its error against float64).
-With TRITON_INTERPRET=1 on CPU it only checks two settings on tiny fp32 shapes. (The twenty-first session's call 2
-ran a copy of the kernel without its bias term; the settings are now launched on fxfuse's kernel itself.)
+Writes $OUT/lowrank_gemm_sweep.jsonl (one row per shape, then the layer's sums). With TRITON_INTERPRET=1 on CPU it
+only checks two settings on tiny fp32 shapes against float64.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import statistics
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fxfuse.kernels import lowrank_gemm as G
-from fxfuse.kernels.triton_support import dot_pad, sm_count
+from fxfuse.kernels.triton_support import dot_pad, sm_count, smem_limit
 
 OUT = os.environ.get("OUT", "/tmp")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+ROUNDS = int(os.environ.get("SWEEP_ROUNDS", "5"))
 
 
-def variant(a, b, v, u, b_kn: bool, u_kn: bool, cfg: dict):
-    """fxfuse's kernel launched at one setting of its own (no bias), past ``config_for``'s choice."""
+def setting(**over) -> dict:
+    """A launch setting: :data:`G.CONFIG` with ``over`` (and ``persistent``)."""
+    return {**G.CONFIG, "persistent": True, **over}
+
+
+SETTINGS = {
+    "shipped-direct": setting(),
+    "halves-3st": setting(SPLIT_EPI=True),
+    "halves-4st": setting(SPLIT_EPI=True, num_stages=4),
+    "flattened-halves-3st": setting(FLATTEN=True, SPLIT_EPI=True),  # the twenty-first session's flattened loop
+    "group16": setting(GROUP_M=16),
+    "per-tile": setting(persistent=False),
+    "256x128": setting(BM=256, BN=128),
+}
+
+
+def launcher(a, b, v, u, b_kn: bool, u_kn: bool, cfg: dict):
+    """fxfuse's kernel at setting ``cfg`` (no bias) over these operands, descriptors built once: returns (launch,
+    output)."""
     BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
     RP = dot_pad(v.shape[1])
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
     desc = lambda t, blk: TensorDescriptor(t, list(t.shape), list(t.stride()), blk)  # noqa: E731
+    descs = (desc(a, [BM, BK]), desc(b, [BK, BN] if b_kn else [BN, BK]), desc(v, [BM, RP]),
+             desc(u, [RP, BN] if u_kn else [BN, RP]), desc(c, [BM, BN // 2] if cfg["SPLIT_EPI"] else [BM, BN]))
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     programs = min(tiles, sm_count(a)) if cfg["persistent"] else tiles
-    G._lowrank_gemm_kernel[(programs,)](
-        desc(a, [BM, BK]), desc(b, [BK, BN] if b_kn else [BN, BK]), desc(v, [BM, RP]),
-        desc(u, [RP, BN] if u_kn else [BN, RP]), desc(c, [BM, BN // 2] if cfg["split"] else [BM, BN]), a, M, N, K,
-        BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False, GROUP_M=cfg["group"],
-        NUM_PROGRAMS=programs, FLATTEN=cfg["flatten"], WS=cfg["ws"], SPLIT_EPI=cfg["split"],
-        num_stages=cfg["stages"], num_warps=cfg["warps"])
-    return c
+    kernel = G._lowrank_gemm_kernel[(programs,)]
+
+    def launch():
+        kernel(*descs, a, M, N, K, BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False,
+               GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"],
+               num_stages=cfg["num_stages"], num_warps=cfg["num_warps"])
+        return c
+    return launch, c
 
 
-def cfg(BM=128, BN=256, BK=64, stages=3, warps=8, group=8, persistent=True, flatten=True, ws=False, split=False):
-    return dict(BM=BM, BN=BN, BK=BK, stages=stages, warps=warps, group=group, persistent=persistent,
-                flatten=flatten, ws=ws, split=split)
-
-
-SETTINGS = {
-    "shipped-equivalent": cfg(),
-    "per-tile": cfg(persistent=False),
-    "no-flatten": cfg(flatten=False),
-    "group16": cfg(group=16),
-    "group4": cfg(group=4),
-    "split-epilogue": cfg(split=True),
-    "split-epilogue-4st": cfg(split=True, stages=4),
-    "256x128": cfg(BM=256, BN=128),
-    "128x128-4st": cfg(BN=128, stages=4),
-    "128x128-5st-w4": cfg(BN=128, stages=5, warps=4),
-    "ws-w4": cfg(ws=True, flatten=False, warps=4),
-    "ws-w8": cfg(ws=True, flatten=False, warps=8),
-    "ws-128x128-w4": cfg(BN=128, ws=True, flatten=False, warps=4, stages=4),
-    "ws-split-w8": cfg(ws=True, flatten=False, warps=8, split=True),
-}
+def ptx_digest(rank: int, b_kn: bool, u_kn: bool, cfg: dict) -> str:
+    """The first 12 hex digits of the PTX's SHA-1 for this setting, compiled for sm_90 (the program count is a
+    constexpr: a per-tile grid's differs, so those are not compared)."""
+    try:
+        return hashlib.sha1(G.compiled_for(rank, b_kn, u_kn, cfg).asm["ptx"].encode()).hexdigest()[:12]
+    except Exception as ex:  # noqa: BLE001
+        return f"{type(ex).__name__}"
 
 
 def emit(f, **row):
@@ -94,8 +106,22 @@ PER_LAYER = {"q/o fwd": 2, "k/v fwd": 2, "gate/up fwd": 2, "down fwd": 1, "qkv g
              "down gx": 1}
 
 
-def main():
+def timed_rounds(entries: dict) -> dict:
+    """{name: (median ms, spread)} over ROUNDS rounds of timing every entry once, the order rotated each round."""
     from triton.testing import do_bench
+    names = list(entries)
+    times = {k: [] for k in names}
+    for r in range(ROUNDS):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(do_bench(entries[k], warmup=10, rep=60, return_mode="median"))
+    out = {}
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        out[k] = (round(med, 4), round((max(ts) - min(ts)) / med, 4))
+    return out
+
+
+def main():
     M = int(os.environ.get("SWEEP_TOKENS", "8192"))
     todo = shapes(M)
     settings = SETTINGS
@@ -103,12 +129,12 @@ def main():
         settings = {k: SETTINGS[k] for k in os.environ["SWEEP_SETTINGS"].split(",") if k}
     if INTERP:
         todo = [("tiny", 64, 64, 96, False, False, 16), ("ragged gx", 70, 88, 104, True, True, 48)]
-        settings = {"tiny": cfg(BM=32, BN=32, BK=32, stages=1, warps=4, group=2, flatten=False),
-                    "tiny-split": cfg(BM=32, BN=32, BK=32, stages=1, warps=4, group=2, flatten=False, split=True)}
+        tiny = dict(BM=32, BN=32, BK=32, num_stages=1, num_warps=4, GROUP_M=2)
+        settings = {"tiny": setting(**tiny), "tiny-halves": setting(**tiny, SPLIT_EPI=True)}
     f = open(os.path.join(OUT, "lowrank_gemm_sweep.jsonl"), "a")
     if DEV == "cuda":
         emit(f, section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-             tree=os.environ.get("COMMIT", "?"), tokens=M)
+             tree=os.environ.get("COMMIT", "?"), tokens=M, rounds=ROUNDS)
     totals: dict = {}
     for name, M, N, K, b_kn, u_kn, R in todo:
         torch.manual_seed(0)
@@ -122,30 +148,41 @@ def main():
         bm = b if b_kn else b.t()
         um = u if u_kn else u.t()
         row = dict(section="lowrank_gemm_sweep", shape=name, M=M, N=N, K=K, rank=R, per_layer=PER_LAYER.get(name))
+        entries = {}
         if not INTERP:
-            row["cublas_mm_ms"] = round(do_bench(lambda: torch.mm(a, bm)), 4)
-            row["cublas_op_path_ms"] = round(do_bench(lambda: torch.mm(v, um).addmm_(a, bm)), 4)
-            row["shipped_ms"] = round(do_bench(lambda: G.lowrank_gemm(a, b, v, u, b_kn=b_kn, u_kn=u_kn)), 4)
+            shipped_cfg = G.config_for(a.element_size(), R, smem_limit(a))
+            row["shipped_setting"] = {k: shipped_cfg[k] for k in ("num_stages", "SPLIT_EPI", "FLATTEN")}
             row["shipped_err"] = err(G.lowrank_gemm(a, b, v, u, b_kn=b_kn, u_kn=u_kn))
+            entries["cublas_mm"] = lambda: torch.mm(a, bm)
+            entries["cublas_op_path"] = lambda: torch.mm(v, um).addmm_(a, bm)
+            entries["shipped"] = lambda: G.lowrank_gemm(a, b, v, u, b_kn=b_kn, u_kn=u_kn)
+            row["shipped_ptx"] = ptx_digest(R, b_kn, u_kn, shipped_cfg)
         for label, c in settings.items():
             try:
-                e = err(variant(a, b, v, u, b_kn, u_kn, c))
-                res = dict(err=e)
-                if not INTERP:
-                    res["ms"] = round(do_bench(lambda: variant(a, b, v, u, b_kn, u_kn, c)), 4)
+                launch, _ = launcher(a, b, v, u, b_kn, u_kn, c)
+                e = err(launch())
+                row[label] = dict(err=e)
                 if e > 1e-2:
-                    res["wrong"] = True
+                    row[label]["wrong"] = True
+                elif not INTERP:
+                    entries[label] = launch
+                    row[label]["ptx"] = ptx_digest(R, b_kn, u_kn, c)
             except Exception as ex:  # a setting that does not compile or fit shared memory
-                res = dict(error=f"{type(ex).__name__}: {ex}"[:300])
-            row[label] = res
+                row[label] = dict(error=f"{type(ex).__name__}: {ex}"[:300])
+        if not INTERP:
+            for k, (ms, spread) in timed_rounds(entries).items():
+                if k in settings:
+                    row[k].update(ms=ms, spread=spread)
+                else:
+                    row[f"{k}_ms"], row[f"{k}_spread"] = ms, spread
         emit(f, **row)
         if not INTERP:
             n = PER_LAYER[name]
-            for k in ["cublas_mm_ms", "cublas_op_path_ms", "shipped_ms"] + list(settings):
-                val = row[k]
-                ms = val if not isinstance(val, dict) else (None if val.get("wrong") else val.get("ms"))
+            for k in ["cublas_mm", "cublas_op_path", "shipped"] + list(settings):
+                val = row.get(k, row.get(f"{k}_ms"))
+                ms = val if not isinstance(val, dict) else val.get("ms")
                 totals[k] = None if ms is None or totals.get(k, 0.0) is None else totals.get(k, 0.0) + n * ms
-    if not INTERP:  # one layer's projections, forward + grad x, as a sum of the shapes' times
+    if not INTERP:  # one layer's projections, forward + grad x, as a sum of the shapes' medians
         emit(f, section="lowrank_gemm_sweep_layer_ms", **{k: None if v is None else round(v, 3)
                                                            for k, v in totals.items()})
 

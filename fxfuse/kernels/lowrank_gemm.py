@@ -17,19 +17,18 @@ no offset wraps at 2**31 elements.
 
 Where: CUDA with the copy engine (sm_90+), 16-bit operands; the Triton interpreter (CPU tests, fp32). Launch
 setting: 128 x 256 tiles, K step 64, 3 stages, 8 warps, a persistent loop over the tiles in groups of 8 row blocks
-(L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``), with Triton's warp specialisation
-of the tile loop (TMA-loading and MMA warp groups apart, Hopper's producer / consumer split) and, where the output
-tile would crowd the pipeline out of shared memory (rank sums above 16), the output stored in two halves. At the
-FSDP2 run's shapes (8B widths, 8192 tokens; ``benchmarks/experiments/lowrank_gemm_sweep.py``), a layer's forward +
-grad-x GEMMs summed: 9.54 ms before, 8.89 ms warp-specialised with the output in halves everywhere, 8.82 warp-
-specialised with whole tiles (one H200; cuBLAS ``mm`` alone, no low-rank term, 8.57 ms). The grouped grad-x
-launches (rank sums 48 and 32) had been cut to 2 stages by the whole output tile: 0.536 / 1.764 ms, against 0.399 /
-1.385 with halves and 3 stages, and 0.392 / 1.382 with warp specialisation too. The shipped kernel on a second
-H200: 9.09 ms, against 9.19 for cuBLAS's ``mm`` + ``addmm_`` and 8.55 for ``mm`` alone.
+(L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``); where the output tile would crowd
+the pipeline out of shared memory, it is stored in two halves. :func:`compiled_for` builds the kernel for an sm_90
+card without one (shared memory, the PTX): ``config_for``'s count is checked against it on CPU.
+
+The twenty-first session shipped ``tl.range(..., warp_specialize=True)`` on the tile loop, from a sweep where it
+measured 8.82 against 9.07 ms a layer. Compiled offline (Triton 3.6 and 3.9, sm_90) that setting yields the same
+PTX as the loop without it: Triton's Hopper warp specialisation does not take this 8-warp loop (at 4 warps its pass
+fails). The difference was the sweep's run-to-run spread, which the sweep now measures (twenty-second session,
+``benchmarks/lora_notes.md``); the flag is gone.
 """
 from __future__ import annotations
 
-import logging
 import os
 from concurrent.futures import Future
 from typing import Optional
@@ -42,16 +41,13 @@ from .launch_cache import PlanCache, Recorder, rebase_descriptor
 from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpreting, sm_count, smem_limit,
                              tile_addressable, tl, triton)
 
-log = logging.getLogger(__name__)
-
 __all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
-# WS: warp specialisation of a Hopper loop (Triton >= 3.5, pyproject's floor); FLATTEN: the flattened tile loop,
-# the setting before it.
-CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=False, WS=True, SPLIT_EPI=False, num_stages=3,
-              num_warps=8)
+# FLATTEN: Triton flattens the tile and K loops into one software pipeline. Unflattened, the K loop's stage buffers
+# are dead after it and Triton places the low-rank tiles in them; flattened, those tiles come on top (config_for).
+CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=False, SPLIT_EPI=False, num_stages=3, num_warps=8)
 # The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
-INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, WS=False, SPLIT_EPI=False, num_stages=1,
+INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, SPLIT_EPI=False, num_stages=1,
                           num_warps=4)
 # FXFUSE_LORA_LOWRANK_GEMM=0 (or ENABLED = False at run time) keeps cuBLAS's ``addmm_`` path: benchmarks time both.
 ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
@@ -67,16 +63,15 @@ if HAVE_TRITON:
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
                              B_KN: tl.constexpr, U_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
                              GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                             WS: tl.constexpr, SPLIT_EPI: tl.constexpr):
+                             SPLIT_EPI: tl.constexpr):
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(N, BN)
         k_tiles = tl.cdiv(K, BK)
         num_tiles = num_pid_m * num_pid_n
         in_group = GROUP_M * num_pid_n
         # Persistent: each program walks tiles NUM_PROGRAMS apart; consecutive tiles share a group of GROUP_M row
-        # blocks, so the B tiles they read stay in L2. WS: Triton splits the loop into warp groups that issue the TMA
-        # loads and warp groups that run the MMAs and the epilogue (Hopper's producer / consumer pattern).
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WS):
+        # blocks, so the B tiles they read stay in L2.
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
             first_m = (tile // in_group) * GROUP_M
             size_m = min(num_pid_m - first_m, GROUP_M)
             om = (first_m + tile % size_m) * BM
@@ -114,24 +109,56 @@ def _config(device: torch.device, element_size: int, rank: int) -> Optional[dict
     return config_for(element_size, rank, smem_limit(device))
 
 
-def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
-    """:data:`CONFIG` fitted to ``smem_limit`` bytes of shared memory: its pipeline stages beside the low-rank tiles
-    and the output tile's staging, that tile stored in two halves when whole it would not fit (the stages are worth
-    more: at rank sums 48 and 32 two stages ran 27-34% slower than three with halves), then fewer stages; None
-    below two. The count is conservative for the warp-specialised loop, which compiled whole tiles at 3 stages for
-    rank sums 32 and 64 in the sweep (``benchmarks/lora_notes.md``)."""
-    cfg = dict(CONFIG)
+def shared_memory_bytes(cfg: dict, element_size: int, rank: int) -> int:
+    """Shared memory a launch at setting ``cfg`` takes, counted the way Triton allocates it (the CPU tests check
+    the count against kernels compiled for sm_90): the pipeline's stages, the low-rank tiles placed in the stages'
+    buffers once the K loop is done (on top of them in a flattened loop, where those buffers stay live), and the
+    output tile's staging (half of it when stored in halves). Barriers (a few dozen bytes) not counted."""
     BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], dot_pad(rank)
-    per_stage = (BM * BK + BK * BN) * element_size
+    stages = cfg["num_stages"] * (BM * BK + BK * BN) * element_size
+    low_rank = (BM * RP + RP * BN) * element_size
+    pipeline = stages + low_rank if cfg["FLATTEN"] else max(stages, low_rank)
+    return pipeline + BM * BN // (2 if cfg["SPLIT_EPI"] else 1) * element_size
 
-    def fits(stages: int, split: bool) -> bool:  # 1 KiB kept for the pipeline's barriers
-        out_tile = BM * BN // (2 if split else 1)
-        return (BM * RP + RP * BN + out_tile) * element_size + stages * per_stage <= smem_limit - 1024
 
-    cfg["SPLIT_EPI"] = not fits(cfg["num_stages"], False)
-    while cfg["num_stages"] > 1 and not fits(cfg["num_stages"], cfg["SPLIT_EPI"]):
+def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
+    """:data:`CONFIG` fitted to ``smem_limit`` bytes of shared memory (:func:`shared_memory_bytes`, 1 KiB kept for
+    the pipeline's barriers): the output tile stored in two halves when whole it would not fit (the stages are worth
+    more: at rank sums 48 and 32 two stages ran 27-34% slower than three with halves), then stages dropped; None
+    below two."""
+    cfg = dict(CONFIG)
+
+    def fits() -> bool:
+        return shared_memory_bytes(cfg, element_size, rank) <= smem_limit - 1024
+
+    cfg["SPLIT_EPI"] = False
+    cfg["SPLIT_EPI"] = not fits()
+    while cfg["num_stages"] > 1 and not fits():
         cfg["num_stages"] -= 1
     return cfg if cfg["num_stages"] > 1 else None
+
+
+def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, dtype: str = "bf16"):
+    """The kernel as Triton builds it for an ``sm_<arch>`` card at setting ``cfg`` (a :data:`CONFIG`-like dict),
+    without one: its ``metadata.shared`` (bytes of shared memory) and ``asm`` (TTGIR, PTX) say what a launch would
+    need and run. For tests and sweeps: two settings with the same PTX are one binary. Not under
+    ``TRITON_INTERPRET=1``, which replaces Triton's language functions in the process (the tests compile in a child
+    process)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    BM, BN, BK, RP = cfg["BM"], cfg["BN"], cfg["BK"], dot_pad(rank)
+    blocks = dict(a_desc=[BM, BK], b_desc=[BK, BN] if b_kn else [BN, BK], v_desc=[BM, RP],
+                  u_desc=[RP, BN] if u_kn else [BN, RP], c_desc=[BM, BN // 2] if cfg["SPLIT_EPI"] else [BM, BN])
+    signature = {name: f"tensordesc<{dtype}[{blk[0]}, {blk[1]}]>" for name, blk in blocks.items()}
+    signature.update(bias_ptr=f"*{dtype}", M="i32", N="i32", K="i32")
+    consts = dict(BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False, GROUP_M=cfg["GROUP_M"],
+                  NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"])
+    signature.update({k: "constexpr" for k in consts})
+    # the pointer and the sizes divisible by 16, as at the FSDP2 shapes
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8)}
+    return triton.compile(ASTSource(_lowrank_gemm_kernel, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
@@ -238,34 +265,7 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
     c = torch.empty((M, N), dtype=a.dtype, device="meta")
     grid, args, consts = _launch_args(a, b, v, u, c, bias if bias is None else base, b_kn, u_kn, device, base)
     spec = _specialisation(device, a.dtype, args, consts)
-    if spec in _NO_WS:  # compile what the launch will run
-        consts = dict(consts, WS=False)
     return background_compile.start(_lowrank_gemm_kernel, spec, device, grid, args, consts)
-
-
-# Specialisations whose warp-specialised compile failed (Triton's warp-specialisation pass is young: at 4 warps it
-# failed at every shape of the twenty-first session's sweep): they launch without it, the rest of the setting kept.
-_NO_WS: set = set()
-
-
-def _launch(kernel, grid, args, consts, spec, recorder: Optional[Recorder]):
-    """``kernel[grid](*args, **consts)``, recorded for replays if ``recorder``; a warp-specialised first launch
-    whose compile fails is launched once more without warp specialisation (the failure logged as a warning, the
-    specialisation remembered), so a Triton pass bug costs speed, not the run. A failure without it is raised."""
-    def go(c):
-        return recorder.launch(kernel, grid, args, c) if recorder else kernel[grid](*args, **c)
-
-    if consts["WS"] and spec in _NO_WS:
-        consts = dict(consts, WS=False)
-    try:
-        return go(consts)
-    except Exception as e:  # noqa: BLE001  (Triton's compile errors have no common base class)
-        if not consts["WS"]:
-            raise
-        log.warning("fxfuse: the low-rank GEMM's warp-specialised compile failed (%s: %s); launching it without "
-                    "warp specialisation", type(e).__name__, str(e)[:200])
-        _NO_WS.add(spec)
-        return go(dict(consts, WS=False))
 
 
 # Replays of a launch by layout (launch_cache.py), and the five tile descriptors' templates each replay rebuilds
@@ -278,13 +278,12 @@ _DESCRIPTORS: dict = {}
 
 
 def forget_launches() -> None:
-    """Drop the recorded launches and the remembered answers (support, failed warp-specialised compiles): after
+    """Drop the recorded launches and the remembered support answers: after
     :data:`CONFIG` changes (experiments), a replay would otherwise relaunch the binary of the setting it was recorded
     under."""
     _PLANS.replays.clear()
     _DESCRIPTORS.clear()
     _SUPPORTED.clear()
-    _NO_WS.clear()
 
 
 def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = False,
@@ -307,10 +306,10 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
         background_compile.wait_for(_lowrank_gemm_kernel, spec)
     if not launch_cache.fast_launch_enabled():  # the interpreter, or FXFUSE_TRITON_FAST_LAUNCH=0: no replays
-        _launch(_lowrank_gemm_kernel, grid, args, consts, spec, None)
+        _lowrank_gemm_kernel[grid](*args, **consts)
         return c
     rec = Recorder()
-    _launch(_lowrank_gemm_kernel, grid, args, consts, spec, rec)
+    rec.launch(_lowrank_gemm_kernel, grid, args, consts)
     descs, bias_arg = args[:5], args[5]
     if len(_DESCRIPTORS) >= _PLANS.max_entries:
         _DESCRIPTORS.clear()
