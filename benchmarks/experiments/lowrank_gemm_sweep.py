@@ -13,6 +13,11 @@ rounds and its spread (max - min over the rounds, as a fraction of the median), 
 two settings that are one binary show as such. ``shipped-direct`` is the shipped setting launched like the others:
 against ``shipped`` it shows the launcher's cost and one more same-binary spread.
 
+The rounds' spread on one H200 (twenty-second session) was 2-22% for one entry, cuBLAS's included: larger than the
+settings' differences. ``SWEEP_PAIR=name`` instead compares one setting with the shipped one, paired: the two timed
+alternately ``SWEEP_PAIRS`` times (default 30; ``do_bench`` median of 20 ms each), and the median and quartiles of
+the per-pair ratios (setting / shipped) reported, so a clock that drifts over seconds moves both sides of a pair.
+
 Run (device machine):  PYTHONPATH=.:benchmarks python3 benchmarks/experiments/lowrank_gemm_sweep.py
 (``SWEEP_SETTINGS=a,b``: only those settings; ``SWEEP_SETTINGS=``: cuBLAS and the shipped kernel only).
 Writes $OUT/lowrank_gemm_sweep.jsonl (one row per shape, then the layer's sums). With TRITON_INTERPRET=1 on CPU it
@@ -121,7 +126,48 @@ def timed_rounds(entries: dict) -> dict:
     return out
 
 
+def paired(a_fn, b_fn, pairs: int) -> dict:
+    """b against a, timed alternately ``pairs`` times: the ratios' median and quartiles, and each side's median."""
+    from triton.testing import do_bench
+    ta, tb = [], []
+    for _ in range(pairs):
+        ta.append(do_bench(a_fn, warmup=5, rep=20, return_mode="median"))
+        tb.append(do_bench(b_fn, warmup=5, rep=20, return_mode="median"))
+    ratios = sorted(y / x for x, y in zip(ta, tb))
+    q = statistics.quantiles(ratios, n=4)
+    return dict(ratio_median=round(statistics.median(ratios), 4), ratio_q1=round(q[0], 4), ratio_q3=round(q[2], 4),
+                shipped_ms=round(statistics.median(ta), 4), setting_ms=round(statistics.median(tb), 4), pairs=pairs)
+
+
+def main_paired(name: str):
+    """SWEEP_PAIR: setting ``name`` against the shipped setting, both launched directly, shape by shape."""
+    pairs = int(os.environ.get("SWEEP_PAIRS", "30"))
+    f = open(os.path.join(OUT, "lowrank_gemm_sweep.jsonl"), "a")
+    emit(f, section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+         tree=os.environ.get("COMMIT", "?"), tokens=int(os.environ.get("SWEEP_TOKENS", "8192")), pair=name)
+    sums = {"shipped_ms": 0.0, "setting_ms": 0.0}
+    for shape, M, N, K, b_kn, u_kn, R in shapes(int(os.environ.get("SWEEP_TOKENS", "8192"))):
+        torch.manual_seed(0)
+        a = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+        b = torch.randn(*((K, N) if b_kn else (N, K)), device=DEV, dtype=torch.bfloat16) / K ** 0.5
+        v = torch.randn(M, R, device=DEV, dtype=torch.bfloat16)
+        u = torch.randn(*((R, N) if u_kn else (N, R)), device=DEV, dtype=torch.bfloat16) * 0.02
+        ref = G.lowrank_gemm_reference(a, b, v, u, b_kn=b_kn, u_kn=u_kn)
+        shipped = dict(G.config_for(a.element_size(), R, smem_limit(a)), persistent=True)
+        fa, _ = launcher(a, b, v, u, b_kn, u_kn, shipped)
+        fb, _ = launcher(a, b, v, u, b_kn, u_kn, SETTINGS[name])
+        errs = [float((fn().double() - ref).norm() / ref.norm()) for fn in (fa, fb)]
+        row = dict(section="lowrank_gemm_pair", shape=shape, setting=name, per_layer=PER_LAYER[shape],
+                   shipped_err=errs[0], setting_err=errs[1], **paired(fa, fb, pairs))
+        for k in sums:
+            sums[k] += PER_LAYER[shape] * row[k]
+        emit(f, **row)
+    emit(f, section="lowrank_gemm_pair_layer_ms", setting=name, **{k: round(v, 3) for k, v in sums.items()})
+
+
 def main():
+    if os.environ.get("SWEEP_PAIR"):
+        return main_paired(os.environ["SWEEP_PAIR"])
     M = int(os.environ.get("SWEEP_TOKENS", "8192"))
     todo = shapes(M)
     settings = SETTINGS
