@@ -103,23 +103,29 @@ def test_grouped_projections_sum_grad_x(monkeypatch):
 
 
 def test_pipeline_stages_fit_shared_memory(monkeypatch):
-    """An H100 / H200 block gets 232448 bytes of shared memory. In the shipped (unflattened) loop the low-rank tiles
-    go in the stages' buffers, so every rank up to 64 keeps 3 stages and a whole output tile; flattened, they come on
-    top and rank sums 32 and 64 store the tile in halves (whole it asked 237608 bytes at rank 32: the launch failed
-    on the GPU); a fourth stage fits with halves only; too little memory declines."""
+    """An H100 / H200 block gets 232448 bytes of shared memory. Shipped (flattened loop, output in halves) every rank
+    up to 64 keeps 3 stages. Asked for whole tiles, the flattened loop keeps them at rank 16 but must halve them at
+    rank sums 32 and 64 (whole, rank 32 asked 237608 bytes: the launch failed on the GPU); unflattened, the low-rank
+    tiles go in the stages' buffers and whole tiles fit at every rank; a fourth stage fits unflattened with halves
+    only; too little memory declines."""
     h100 = 232448
+    stages_split = lambda rank, limit=h100: (G.config_for(2, rank, limit)["num_stages"],  # noqa: E731
+                                             G.config_for(2, rank, limit)["SPLIT_EPI"])
     for rank in (16, 32, 48, 64):
-        assert G.config_for(2, rank, h100) == dict(G.CONFIG, num_stages=3, SPLIT_EPI=False)
-    monkeypatch.setitem(G.CONFIG, "num_stages", 4)
-    assert G.config_for(2, 64, h100) == dict(G.CONFIG, num_stages=4, SPLIT_EPI=True)
-    monkeypatch.setitem(G.CONFIG, "num_stages", 3)
-    monkeypatch.setitem(G.CONFIG, "FLATTEN", True)
-    assert G.config_for(2, 16, h100)["SPLIT_EPI"] is False
-    for rank in (32, 64):
-        assert (G.config_for(2, rank, h100)["num_stages"], G.config_for(2, rank, h100)["SPLIT_EPI"]) == (3, True)
-    monkeypatch.setitem(G.CONFIG, "FLATTEN", False)
+        assert G.config_for(2, rank, h100) == dict(G.CONFIG, num_stages=3, SPLIT_EPI=True)
     assert G.config_for(2, 16, 100 * 1024) is None
-    assert G.config_for(2, 16, 170 * 1024) == dict(G.CONFIG, num_stages=2, SPLIT_EPI=True)
+    assert stages_split(16, 170 * 1024) == (2, True)
+    monkeypatch.setitem(G.CONFIG, "SPLIT_EPI", False)
+    assert stages_split(16) == (3, False)
+    for rank in (32, 64):
+        assert stages_split(rank) == (3, True)
+    monkeypatch.setitem(G.CONFIG, "FLATTEN", False)
+    for rank in (16, 32, 48, 64):
+        assert stages_split(rank) == (3, False)
+    monkeypatch.setitem(G.CONFIG, "num_stages", 4)
+    assert stages_split(64) == (4, True)
+    monkeypatch.setitem(G.CONFIG, "FLATTEN", True)
+    assert stages_split(64) == (3, True)
 
 
 _COMPILE_SETTINGS = """

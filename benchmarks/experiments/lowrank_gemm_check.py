@@ -1,7 +1,7 @@
 """Diagnostic: LoRA forward / grad x with the low-rank GEMM on against off (cuBLAS addmm_) at the Llama-3.2-1B
 shapes the e2e step uses (single projections and q/k/v, gate/up groups), with a LoRA term as large as the base
-term, repeated to catch a nondeterministic tile; as shipped (3 stages, whole output tiles) and with 4 stages (the output
-stored in halves, as config_for then picks)."""
+term, repeated to catch a nondeterministic tile; as shipped (the flattened loop, output in halves) and with the setting
+shipped before (unflattened, whole output tiles)."""
 import json
 
 import torch
@@ -15,7 +15,7 @@ N = 8192
 cases = [("q single", 2048, (2048,)), ("k single", 2048, (512,)), ("qkv group", 2048, (2048, 512, 512)),
          ("gate/up group", 2048, (8192, 8192)), ("down single", 8192, (2048,))]
 shipped = dict(G.CONFIG)
-for setting, cfg in (("shipped", shipped), ("4 stages, halves", dict(shipped, num_stages=4))):
+for setting, cfg in (("shipped", shipped), ("unflattened, whole tiles", dict(shipped, FLATTEN=False, SPLIT_EPI=False))):
     G.CONFIG.update(cfg)
     G.forget_launches()
     for name, din, douts in cases:

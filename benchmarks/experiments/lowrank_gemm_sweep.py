@@ -48,11 +48,11 @@ def setting(**over) -> dict:
     return {**G.CONFIG, "persistent": True, **over}
 
 
-SETTINGS = {
+SETTINGS = {  # names as of tree 3212f69's successor; at 3212f69 the shipped setting was "unflattened-whole"
     "shipped-direct": setting(),
-    "halves-3st": setting(SPLIT_EPI=True),
-    "halves-4st": setting(SPLIT_EPI=True, num_stages=4),
-    "flattened-halves-3st": setting(FLATTEN=True, SPLIT_EPI=True),  # the twenty-first session's flattened loop
+    "unflattened-whole": setting(FLATTEN=False, SPLIT_EPI=False),  # shipped from the twenty-first session to 3212f69
+    "unflattened-halves-4st": setting(FLATTEN=False, num_stages=4),
+    "flattened-whole": setting(SPLIT_EPI=False),  # fits 3 stages at rank 16 only
     "group16": setting(GROUP_M=16),
     "per-tile": setting(persistent=False),
     "256x128": setting(BM=256, BN=128),

@@ -17,8 +17,8 @@ no offset wraps at 2**31 elements.
 
 Where: CUDA with the copy engine (sm_90+), 16-bit operands; the Triton interpreter (CPU tests, fp32). Launch
 setting: 128 x 256 tiles, K step 64, 3 stages, 8 warps, a persistent loop over the tiles in groups of 8 row blocks
-(L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``); where the output tile would crowd
-the pipeline out of shared memory, it is stored in two halves. :func:`compiled_for` builds the kernel for an sm_90
+(L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``), flattened with the K loop into one
+pipeline, the output tile stored in two halves (:data:`CONFIG`). :func:`compiled_for` builds the kernel for an sm_90
 card without one (shared memory, the PTX): ``config_for``'s count is checked against it on CPU.
 
 The twenty-first session shipped ``tl.range(..., warp_specialize=True)`` on the tile loop, from a sweep where it
@@ -43,9 +43,13 @@ from .triton_support import (HAVE_TRITON, TensorDescriptor, dot_pad, interpretin
 
 __all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lowrank_gemm_supported", "CONFIG"]
 
-# FLATTEN: Triton flattens the tile and K loops into one software pipeline. Unflattened, the K loop's stage buffers
-# are dead after it and Triton places the low-rank tiles in them; flattened, those tiles come on top (config_for).
-CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=False, SPLIT_EPI=False, num_stages=3, num_warps=8)
+# FLATTEN: Triton flattens the tile and K loops into one software pipeline, so the next tile's loads start during
+# this tile's epilogue. Its stage buffers then stay live and the low-rank tiles come on top of them (unflattened,
+# they go in the stage buffers once the K loop is done: config_for counts both). SPLIT_EPI: the output tile stored in
+# two halves (half the staging; config_for also falls back to it wherever a whole tile would cost a stage). Paired
+# against the unflattened loop with whole tiles on one H200 (twenty-second session, benchmarks/lora_notes.md), this
+# setting was faster at each of a Llama-3-8B layer's LoRA GEMMs (median ratios 0.971-0.992): 8.94 against 9.14 ms.
+CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, SPLIT_EPI=True, num_stages=3, num_warps=8)
 # The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
 INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, SPLIT_EPI=False, num_stages=1,
                           num_warps=4)
@@ -123,16 +127,16 @@ def shared_memory_bytes(cfg: dict, element_size: int, rank: int) -> int:
 
 def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
     """:data:`CONFIG` fitted to ``smem_limit`` bytes of shared memory (:func:`shared_memory_bytes`, 1 KiB kept for
-    the pipeline's barriers): the output tile stored in two halves when whole it would not fit (the stages are worth
-    more: at rank sums 48 and 32 two stages ran 27-34% slower than three with halves), then stages dropped; None
-    below two."""
+    the pipeline's barriers): the output tile stored in two halves if CONFIG says so or when whole it would not fit
+    (the stages are worth more: at rank sums 48 and 32 two stages ran 27-34% slower than three with halves), then
+    stages dropped; None below two."""
     cfg = dict(CONFIG)
 
     def fits() -> bool:
         return shared_memory_bytes(cfg, element_size, rank) <= smem_limit - 1024
 
     cfg["SPLIT_EPI"] = False
-    cfg["SPLIT_EPI"] = not fits()
+    cfg["SPLIT_EPI"] = CONFIG["SPLIT_EPI"] or not fits()
     while cfg["num_stages"] > 1 and not fits():
         cfg["num_stages"] -= 1
     return cfg if cfg["num_stages"] > 1 else None
