@@ -14,7 +14,8 @@ two settings that are one binary show as such. ``shipped-direct`` is the shipped
 against ``shipped`` it shows the launcher's cost and one more same-binary spread.
 
 The rounds' spread on one H200 (twenty-second session) was 2-22% for one entry, cuBLAS's included: larger than the
-settings' differences. ``SWEEP_PAIR=name`` instead compares one setting with the shipped one, paired: the two timed
+settings' differences. ``SWEEP_PAIR=name`` instead compares one setting (or ``cublas_mm``, ``cublas_op_path``) with
+the shipped one, paired: the two timed
 alternately ``SWEEP_PAIRS`` times (default 30; ``do_bench`` median of 20 ms each), and the median and quartiles of
 the per-pair ratios (setting / shipped) reported, so a clock that drifts over seconds moves both sides of a pair.
 
@@ -155,7 +156,13 @@ def main_paired(name: str):
         ref = G.lowrank_gemm_reference(a, b, v, u, b_kn=b_kn, u_kn=u_kn)
         shipped = dict(G.config_for(a.element_size(), R, smem_limit(a)), persistent=True)
         fa, _ = launcher(a, b, v, u, b_kn, u_kn, shipped)
-        fb, _ = launcher(a, b, v, u, b_kn, u_kn, SETTINGS[name])
+        bm, um = (b if b_kn else b.t()), (u if u_kn else u.t())
+        if name == "cublas_mm":  # the floor: the base GEMM alone, no low-rank term (its error is the term's size)
+            fb = lambda: torch.mm(a, bm)  # noqa: E731
+        elif name == "cublas_op_path":  # the op's path without the kernel: mm(V, U) then addmm_
+            fb = lambda: torch.mm(v, um).addmm_(a, bm)  # noqa: E731
+        else:
+            fb, _ = launcher(a, b, v, u, b_kn, u_kn, SETTINGS[name])
         errs = [float((fn().double() - ref).norm() / ref.norm()) for fn in (fa, fb)]
         row = dict(section="lowrank_gemm_pair", shape=shape, setting=name, per_layer=PER_LAYER[shape],
                    shipped_err=errs[0], setting_err=errs[1], **paired(fa, fb, pairs))
