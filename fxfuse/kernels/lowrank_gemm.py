@@ -47,8 +47,10 @@ __all__ = ["lowrank_gemm", "lowrank_gemm_prewarm", "lowrank_gemm_reference", "lo
 # this tile's epilogue. Its stage buffers then stay live and the low-rank tiles come on top of them (unflattened,
 # they go in the stage buffers once the K loop is done: config_for counts both). SPLIT_EPI: the output tile stored in
 # two halves (half the staging; config_for also falls back to it wherever a whole tile would cost a stage). Paired
-# against the unflattened loop with whole tiles on one H200 (twenty-second session, benchmarks/lora_notes.md), this
-# setting was faster at each of a Llama-3-8B layer's LoRA GEMMs (median ratios 0.971-0.992): 8.94 against 9.14 ms.
+# against the unflattened loop with whole tiles on two H200s (twenty-second session, benchmarks/lora_notes.md), this
+# setting was faster at each of a Llama-3-8B layer's LoRA GEMMs (median ratios 0.969-0.992): 8.94 against 9.14 ms
+# and 8.91 against 9.12 ms a layer. cuBLAS's mm without the low-rank term still takes 4% less (two-CTA clusters,
+# which Triton 3.6 does not compile here).
 CONFIG = dict(BM=128, BN=256, BK=64, GROUP_M=8, FLATTEN=True, SPLIT_EPI=True, num_stages=3, num_warps=8)
 # The interpreter runs one program at a time over numpy blocks: small tiles keep CPU tests quick.
 INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, SPLIT_EPI=False, num_stages=1,
@@ -135,7 +137,7 @@ def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
     def fits() -> bool:
         return shared_memory_bytes(cfg, element_size, rank) <= smem_limit - 1024
 
-    cfg["SPLIT_EPI"] = False
+    cfg["SPLIT_EPI"] = False  # does a whole tile fit?
     cfg["SPLIT_EPI"] = CONFIG["SPLIT_EPI"] or not fits()
     while cfg["num_stages"] > 1 and not fits():
         cfg["num_stages"] -= 1
@@ -159,9 +161,10 @@ def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, d
     consts = dict(BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False, GROUP_M=cfg["GROUP_M"],
                   NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"])
     signature.update({k: "constexpr" for k in consts})
-    # the pointer and the sizes divisible by 16, as at the FSDP2 shapes
+    # the pointer and the sizes divisible by 16, as at the FSDP2 shapes; 132 programs, an H100 / H200's SMs
     attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8)}
-    return triton.compile(ASTSource(_lowrank_gemm_kernel, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+    return triton.compile(ASTSource(_lowrank_gemm_kernel, signature, consts, attrs),
+                          target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
