@@ -166,8 +166,8 @@ def test_shared_memory_count_matches_compiled_kernels():
 
 @pytest.mark.parametrize("b_kn,u_kn", [(False, False), (True, True)])
 def test_output_stored_in_halves_matches_float64(monkeypatch, b_kn, u_kn):
-    """The two-half epilogue (the config for rank sums above 16 on the GPU) writes every column once, ragged last
-    tiles included."""
+    """The two-half epilogue (the shipped GPU setting at every rank) writes every column once, ragged last tiles
+    included."""
     monkeypatch.setattr(G, "INTERPRETER_CONFIG", dict(G.INTERPRETER_CONFIG, SPLIT_EPI=True))
     a, b, v, u, bb = _operands(70, 88, 104, 48, b_kn, u_kn, True)
     assert G.lowrank_gemm_supported(a, b, v, u, bb, b_kn=b_kn, u_kn=u_kn)

@@ -3,7 +3,8 @@ shared memory and which settings are one binary, on any machine with Triton's NV
 
 Writes one JSON line per compile to stdout:
   * the shipped kernel at :data:`CONFIG` (``config_for``'s choice) for ranks 16-64, both layouts: shared bytes, the
-    count ``config_for`` fits (``shared_memory_bytes``), the PTX's SHA-1;
+    count ``config_for`` fits (``shared_memory_bytes``), the PTX's SHA-1 (the PTX carries source line numbers, so
+    digests compare settings of one tree, not trees);
   * the same with ``num_ctas=2`` (two-CTA clusters, as cuBLAS's ``nvjet ... 1x2`` kernels run): compiles or not;
   * with ``--rev REV``: that git revision's kernel compiled with ``warp_specialize`` on and off (the twenty-first
     session's flag, tree ba4b401): whether the two PTX texts are the same.
@@ -72,21 +73,10 @@ def warp_specialised(rev: str):
         spec = importlib.util.spec_from_file_location(f"lowrank_gemm_{rev}", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        BM, BN, BK, RP = 128, 256, 64, 16
         out = {}
-        for ws in (True, False):
-            sig = {"a_desc": f"tensordesc<bf16[{BM}, {BK}]>", "b_desc": f"tensordesc<bf16[{BN}, {BK}]>",
-                   "v_desc": f"tensordesc<bf16[{BM}, {RP}]>", "u_desc": f"tensordesc<bf16[{BN}, {RP}]>",
-                   "c_desc": f"tensordesc<bf16[{BM}, {BN}]>", "bias_ptr": "*bf16", "M": "i32", "N": "i32",
-                   "K": "i32"}
-            consts = dict(BM=BM, BN=BN, BK=BK, RP=RP, B_KN=False, U_KN=False, HAS_BIAS=False, GROUP_M=8,
-                          NUM_PROGRAMS=132, FLATTEN=False, WS=ws, SPLIT_EPI=False)
-            sig.update({k: "constexpr" for k in consts})
-            k = triton.compile(ASTSource(mod._lowrank_gemm_kernel, sig, consts,
-                                         {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8)}),
-                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=3))
+        for ws in (True, False):  # that revision's shipped setting then: unflattened, whole tiles, rank 16
+            cfg = dict(G.CONFIG, FLATTEN=False, SPLIT_EPI=False, num_stages=3, num_warps=8)
+            k = G.compiled_for(16, False, False, cfg, kernel=mod._lowrank_gemm_kernel, WS=ws)
             out[ws] = k
             emit(what="warp_specialize", rev=rev, ws=ws, shared=k.metadata.shared, ptx=digest(k.asm["ptx"]),
                  warp_specialize_op_in_ttgir="ttg.warp_specialize" in k.asm["ttgir"])

@@ -68,9 +68,8 @@ def launcher(a, b, v, u, b_kn: bool, u_kn: bool, cfg: dict):
     N = b.shape[1] if b_kn else b.shape[0]
     RP = dot_pad(v.shape[1])
     c = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    desc = lambda t, blk: TensorDescriptor(t, list(t.shape), list(t.stride()), blk)  # noqa: E731
-    descs = (desc(a, [BM, BK]), desc(b, [BK, BN] if b_kn else [BN, BK]), desc(v, [BM, RP]),
-             desc(u, [RP, BN] if u_kn else [BN, RP]), desc(c, [BM, BN // 2] if cfg["SPLIT_EPI"] else [BM, BN]))
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk)
+             for t, blk in G._tiles(a, b, v, u, c, b_kn, u_kn, cfg)]
     tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     programs = min(tiles, sm_count(a)) if cfg["persistent"] else tiles
     kernel = G._lowrank_gemm_kernel[(programs,)]

@@ -134,20 +134,21 @@ def config_for(element_size: int, rank: int, smem_limit: int) -> Optional[dict]:
     stages dropped; None below two."""
     cfg = dict(CONFIG)
 
-    def fits() -> bool:
-        return shared_memory_bytes(cfg, element_size, rank) <= smem_limit - 1024
+    def fits(**change) -> bool:
+        return shared_memory_bytes(dict(cfg, **change), element_size, rank) <= smem_limit - 1024
 
-    cfg["SPLIT_EPI"] = False  # does a whole tile fit?
-    cfg["SPLIT_EPI"] = CONFIG["SPLIT_EPI"] or not fits()
+    cfg["SPLIT_EPI"] = cfg["SPLIT_EPI"] or not fits(SPLIT_EPI=False)
     while cfg["num_stages"] > 1 and not fits():
         cfg["num_stages"] -= 1
     return cfg if cfg["num_stages"] > 1 else None
 
 
-def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, dtype: str = "bf16"):
+def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, dtype: str = "bf16", kernel=None,
+                 **constexprs):
     """The kernel as Triton builds it for an ``sm_<arch>`` card at setting ``cfg`` (a :data:`CONFIG`-like dict),
     without one: its ``metadata.shared`` (bytes of shared memory) and ``asm`` (TTGIR, PTX) say what a launch would
-    need and run. For tests and sweeps: two settings with the same PTX are one binary. Not under
+    need and run. For tests and sweeps: two settings with the same PTX are one binary. ``kernel`` (with its extra
+    ``constexprs``): another version of the kernel, e.g. an earlier revision's (experiments). Not under
     ``TRITON_INTERPRET=1``, which replaces Triton's language functions in the process (the tests compile in a child
     process)."""
     from triton.backends.compiler import GPUTarget
@@ -159,11 +160,11 @@ def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, d
     signature = {name: f"tensordesc<{dtype}[{blk[0]}, {blk[1]}]>" for name, blk in blocks.items()}
     signature.update(bias_ptr=f"*{dtype}", M="i32", N="i32", K="i32")
     consts = dict(BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False, GROUP_M=cfg["GROUP_M"],
-                  NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"])
+                  NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"], **constexprs)
     signature.update({k: "constexpr" for k in consts})
     # the pointer and the sizes divisible by 16, as at the FSDP2 shapes; 132 programs, an H100 / H200's SMs
     attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8)}
-    return triton.compile(ASTSource(_lowrank_gemm_kernel, signature, consts, attrs),
+    return triton.compile(ASTSource(kernel or _lowrank_gemm_kernel, signature, consts, attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
@@ -271,8 +272,8 @@ def lowrank_gemm_prewarm(a, b, v, u, bias=None, b_kn: bool = False, u_kn: bool =
     base = torch.empty(64, dtype=a.dtype, device=device)  # 128 bytes to stand on, aligned like any allocation
     c = torch.empty((M, N), dtype=a.dtype, device="meta")
     grid, args, consts = _launch_args(a, b, v, u, c, bias if bias is None else base, b_kn, u_kn, device, base)
-    spec = _specialisation(device, a.dtype, args, consts)
-    return background_compile.start(_lowrank_gemm_kernel, spec, device, grid, args, consts)
+    return background_compile.start(_lowrank_gemm_kernel, _specialisation(device, a.dtype, args, consts), device,
+                                    grid, args, consts)
 
 
 # Replays of a launch by layout (launch_cache.py), and the five tile descriptors' templates each replay rebuilds
@@ -309,9 +310,8 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
         if replay is not None and replay(roles, a.device.index):
             return c
     grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
-    spec = _specialisation(a.device, a.dtype, args, consts)
     if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
-        background_compile.wait_for(_lowrank_gemm_kernel, spec)
+        background_compile.wait_for(_lowrank_gemm_kernel, _specialisation(a.device, a.dtype, args, consts))
     if not launch_cache.fast_launch_enabled():  # the interpreter, or FXFUSE_TRITON_FAST_LAUNCH=0: no replays
         _lowrank_gemm_kernel[grid](*args, **consts)
         return c
