@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --steps 12 --regions   # random 1B widths
     torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --seq 65536 --rows 1 \
         --gradient-checkpointing                                              # one 64k-token row per GPU
+    torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --seq 65536 --rows 1 --cp 2
+                                                                              # one 64k-token row across both GPUs
 
 ``fxfuse.install()`` puts fxfuse's passes into Inductor, which ``TrainingArguments(torch_compile=True)`` (accelerate's
 inductor backend) compiles the model with; accelerate applies FSDP2 (``fully_shard`` per decoder layer and root).
@@ -15,7 +17,9 @@ and leaves ``torch_compile`` off; ``--inductor`` is accelerate's plain Inductor 
 machine without a GPU it runs on the CPU with gloo. Rank 0 prints one ``RESULT {json}`` line: losses, fused
 passes, whether FSDP2 wrapped it, the median step time after the first two steps and the peak GPU memory;
 ``--seq`` / ``--rows`` set the batch, ``--pad`` right-pads rows of random lengths (HF's attention-mask path),
-``--gradient-checkpointing`` is the Trainer's, ``--fsdp-activation-checkpointing`` accelerate's. ``--profile`` (GPU) leaves the last two steps out of the timing and
+``--gradient-checkpointing`` is the Trainer's, ``--fsdp-activation-checkpointing`` accelerate's; ``--cp N`` splits each
+row's tokens over N GPUs (accelerate's ``ParallelismConfig(cp_size=N)``: torch's context parallelism, ring attention
+in SDPA; CUDA only). ``--profile`` (GPU) leaves the last two steps out of the timing and
 adds where their time went (GPU time by kernel kind, NCCL time no compute overlaps, the host's top ops;
 ``benchmarks/trace_summary.py``).
 """
@@ -50,10 +54,18 @@ def main():
     ap.add_argument("--fsdp-activation-checkpointing", action="store_true",
                     help="fsdp_config's activation_checkpointing instead: transformers' advice under FSDP (the "
                          "Trainer's gradient_checkpointing repeats an all-gather in the backward)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context parallelism: each row's tokens split over this many GPUs (accelerate's "
+                         "ParallelismConfig(cp_size=N), torch's ring attention in SDPA; needs CUDA and --seq a "
+                         "multiple of 2 N)")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
     a = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if a.cp > 1 and (not torch.cuda.is_available() or world % a.cp):
+        # torch's ring attention dispatches the CUDA SDPA kernels only (flash, efficient, cuDNN)
+        ap.error(f"--cp {a.cp} needs CUDA and a world size that it divides (world size {world})")
     trainer_compiles = not (a.no_compile or a.regions)
     if trainer_compiles and not a.inductor:
         fxfuse.install()  # Inductor now runs fxfuse's passes on every graph it compiles
@@ -79,7 +91,7 @@ def main():
     layer_cls = type(model.model.layers[0]).__name__
     g = torch.Generator().manual_seed(0)
     data = []  # your dataset and collator here
-    for _ in range(a.rows * a.steps * int(os.environ.get("WORLD_SIZE", 1))):
+    for _ in range(a.rows * a.steps * world):
         t = torch.randint(0, vocab, (seq,), generator=g)
         row = {"input_ids": t, "labels": t.clone()}
         if a.pad:  # right-padded from a random length, as a padding collator leaves a row
@@ -89,8 +101,13 @@ def main():
             row["labels"] = t.masked_fill(row["attention_mask"] == 0, -100)
         data.append(row)
     real_tokens = sum(int(r["attention_mask"].sum()) if a.pad else seq for r in data) / len(data)
+    parallel = {}
+    if a.cp > 1:  # the FSDP2 mesh then spans the context-parallel ranks too (accelerate's dp_shard_cp)
+        from accelerate import ParallelismConfig
+
+        parallel["parallelism_config"] = ParallelismConfig(dp_shard_size=world // a.cp, cp_size=a.cp)
     args = TrainingArguments(
-        output_dir=a.out, per_device_train_batch_size=a.rows, max_steps=a.steps,
+        **parallel, output_dir=a.out, per_device_train_batch_size=a.rows, max_steps=a.steps,
         gradient_checkpointing=a.gradient_checkpointing, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
@@ -127,12 +144,15 @@ def main():
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
             "fused": sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused}),
             "graphs": len(fxfuse.reports()),
+            # Dynamo's frames compiled (recompiles included) and graph breaks, on this rank
+            "frames_compiled": len(torch._dynamo.utils.get_compilation_metrics()),
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
             "rolled_back": [f"{r.pass_name}: {r.reason[:160]}" for rep in fxfuse.reports() for r in rep.rolled_back],
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "wrapped": type(trainer.model_wrapped).__name__,
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
-            "tokens_per_s_per_gpu": round(a.rows * seq / sorted(steps)[len(steps) // 2]) if steps else None,
-            "seq": seq, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
+            "tokens_per_s_per_gpu": round(a.rows * seq / a.cp / sorted(steps)[len(steps) // 2]) if steps else None,
+            "seq": seq, "cp": a.cp, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
             "gradient_checkpointing": a.gradient_checkpointing,
             "fsdp_activation_checkpointing": a.fsdp_activation_checkpointing,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
