@@ -12,4 +12,5 @@ for mode in "$@"; do
     cold_run hf_trainer.log 40 "$mode" torchrun --nproc_per_node "$NGPU" examples/hf_trainer_fsdp2.py --shape 1b ${PROFILE:+--profile} \
         --steps "${STEPS:-12}" --out /tmp/hf-out $flag ${HF_ARGS:-}
 done
-grep -h '^RESULT ' "$OUT/hf_trainer.log" | sed 's/^RESULT //' | tee -a "$OUT/hf_trainer.jsonl"
+grep -h "^RESULT " "$OUT/hf_trainer.log" | sed "s/^RESULT //" >"$OUT/hf_trainer.jsonl"  # the whole log's rows, once each
+cat "$OUT/hf_trainer.jsonl"

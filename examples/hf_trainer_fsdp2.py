@@ -58,6 +58,9 @@ def main():
                     help="context parallelism: each row's tokens split over this many GPUs (accelerate's "
                          "ParallelismConfig(cp_size=N), torch's ring attention in SDPA; needs CUDA and --seq a "
                          "multiple of 2 N)")
+    ap.add_argument("--lce-chunk-mib", type=int, default=0,
+                    help="fxfuse's lm-head loss: the logits-chunk budget in MiB (pass option chunk_bytes; 0 = the "
+                         "default 256 MiB). Fewer, larger chunks accumulate the head's weight gradient fewer times")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
@@ -67,8 +70,9 @@ def main():
         # torch's ring attention dispatches the CUDA SDPA kernels only (flash, efficient, cuDNN)
         ap.error(f"--cp {a.cp} needs CUDA and a world size that it divides (world size {world})")
     trainer_compiles = not (a.no_compile or a.regions)
+    fxfuse_kw = {"pass_options": {"linear_cross_entropy": {"chunk_bytes": a.lce_chunk_mib << 20}}} if a.lce_chunk_mib else {}
     if trainer_compiles and not a.inductor:
-        fxfuse.install()  # Inductor now runs fxfuse's passes on every graph it compiles
+        fxfuse.install(**fxfuse_kw)  # Inductor now runs fxfuse's passes on every graph it compiles
     torch.manual_seed(0)
     if a.model:
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
@@ -87,7 +91,7 @@ def main():
     seq = a.seq or seq
     model.config.use_cache = False
     if a.regions:
-        fxfuse.compile_regions(model)  # before the Trainer: accelerate's fully_shard keeps the compiled forwards
+        fxfuse.compile_regions(model, **fxfuse_kw)  # before the Trainer: accelerate's fully_shard keeps the compiled forwards
     layer_cls = type(model.model.layers[0]).__name__
     g = torch.Generator().manual_seed(0)
     data = []  # your dataset and collator here
@@ -152,7 +156,7 @@ def main():
             "wrapped": type(trainer.model_wrapped).__name__,
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
             "tokens_per_s_per_gpu": round(a.rows * seq / a.cp / sorted(steps)[len(steps) // 2]) if steps else None,
-            "seq": seq, "cp": a.cp, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
+            "seq": seq, "cp": a.cp, "lce_chunk_mib": a.lce_chunk_mib or None, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
             "gradient_checkpointing": a.gradient_checkpointing,
             "fsdp_activation_checkpointing": a.fsdp_activation_checkpointing,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
