@@ -61,6 +61,9 @@ def main():
     ap.add_argument("--lce-chunk-mib", type=int, default=0,
                     help="fxfuse's lm-head loss: the logits-chunk budget in MiB (pass option chunk_bytes; 0 = the "
                          "default 256 MiB). Fewer, larger chunks accumulate the head's weight gradient fewer times")
+    ap.add_argument("--passes-off", default="",
+                    help="fxfuse passes turned off, comma-separated (e.g. linear_cross_entropy); 'all' runs "
+                         "fxfuse's compile path with no pass: regional Inductor, for comparison")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
@@ -71,6 +74,8 @@ def main():
         ap.error(f"--cp {a.cp} needs CUDA and a world size that it divides (world size {world})")
     trainer_compiles = not (a.no_compile or a.regions)
     fxfuse_kw = {"pass_options": {"linear_cross_entropy": {"chunk_bytes": a.lce_chunk_mib << 20}}} if a.lce_chunk_mib else {}
+    if a.passes_off:
+        fxfuse_kw["passes"] = [] if a.passes_off == "all" else {p: False for p in a.passes_off.split(",")}
     if trainer_compiles and not a.inductor:
         fxfuse.install(**fxfuse_kw)  # Inductor now runs fxfuse's passes on every graph it compiles
     torch.manual_seed(0)
@@ -156,7 +161,8 @@ def main():
             "wrapped": type(trainer.model_wrapped).__name__,
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
             "tokens_per_s_per_gpu": round(a.rows * seq / a.cp / sorted(steps)[len(steps) // 2]) if steps else None,
-            "seq": seq, "cp": a.cp, "lce_chunk_mib": a.lce_chunk_mib or None, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
+            "seq": seq, "cp": a.cp, "lce_chunk_mib": a.lce_chunk_mib or None,
+            "passes_off": a.passes_off or None, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
             "gradient_checkpointing": a.gradient_checkpointing,
             "fsdp_activation_checkpointing": a.fsdp_activation_checkpointing,
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
@@ -184,7 +190,7 @@ def _profile_summary(prof):
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
         with open(tmp.name) as f:
-            out = summarize(json.load(f), steps=2)
+            out = summarize(json.load(f), steps=2, top=40)
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
     out["host_top"] = [{"name": e.key[:90], "self_cpu_ms": round(e.self_cpu_time_total / 2e3, 2),
                         "calls": e.count // 2} for e in ops]
