@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
 
 import fxfuse
+from fxfuse.lazy import materialized_at
 
 
 def main():
@@ -132,7 +133,8 @@ def main():
                 from torch.profiler import ProfilerActivity, profile
 
                 torch.cuda.synchronize()
-                profiled["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                profiled["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                           record_shapes=True)
                 profiled["prof"].__enter__()
 
         def on_step_end(self, args, state, control, **kw):
@@ -168,7 +170,9 @@ def main():
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "mode": "eager" if a.no_compile else "regions" if a.regions else "inductor" if a.inductor else "install",
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            **({"profile": _profile_summary(profiled["prof"])} if "prof" in profiled else {})}), flush=True)
+            # lazy logits (the fused loss's) that something computed after all, by the site that read them
+            "lazy_logits_computed_at": dict(materialized_at),
+            **({"profile": _profile_summary(profiled["prof"], vocab)} if "prof" in profiled else {})}), flush=True)
     # Leave in order: every rank done, the trainer (and the FSDP2 model holding the process group) dropped, then
     # the group destroyed here rather than at interpreter exit, where gloo's teardown can hang.
     import torch.distributed as dist
@@ -179,8 +183,9 @@ def main():
         dist.destroy_process_group()
 
 
-def _profile_summary(prof):
-    """GPU time by kernel kind (benchmarks/trace_summary.py) and the host's top ops by self CPU time, per step."""
+def _profile_summary(prof, vocab):
+    """GPU time by kernel kind (benchmarks/trace_summary.py), the host's top ops by self CPU time and the matmuls
+    with a vocabulary-sized operand (the lm-head's: which op launched them, at what shapes), per step."""
     import sys
     import tempfile
 
@@ -194,6 +199,12 @@ def _profile_summary(prof):
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
     out["host_top"] = [{"name": e.key[:90], "self_cpu_ms": round(e.self_cpu_time_total / 2e3, 2),
                         "calls": e.count // 2} for e in ops]
+    gemms = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
+    out["vocab_matmuls"] = [
+        {"name": e.key, "shapes": e.input_shapes, "calls": e.count / 2,
+         "device_ms": round(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 2e3, 2)}
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in gemms and any(vocab in s for s in e.input_shapes if isinstance(s, list))]
     return out
 
 

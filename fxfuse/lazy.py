@@ -13,13 +13,25 @@ Turn it off with ``pass_options={"linear_cross_entropy": {"logits": "materialize
 """
 from __future__ import annotations
 
+import collections
+import logging
+import os
+import sys
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["LazyLogits", "apply_recipe"]
+__all__ = ["LazyLogits", "apply_recipe", "materialized_at"]
+
+log = logging.getLogger(__name__)
+
+# Where lazy logits were computed after all: "file:line in function" of the first caller outside this module and torch's
+# Tensor machinery -> count. Each one is an extra [tokens x vocab] projection the fused loss had avoided; the report
+# tools and benchmarks read it, and the log (INFO, logger ``fxfuse.lazy``) names each new site once.
+materialized_at: "collections.Counter[str]" = collections.Counter()
+_HERE = os.path.abspath(__file__)
 
 # Reads that must not materialise: they only look at metadata.
 _METADATA = {
@@ -104,6 +116,11 @@ class LazyLogits(torch.Tensor):
                     "`logits = out.logits.float()` right after the forward), or compile with "
                     "options={'pass_options': {'linear_cross_entropy': {'logits': 'materialize'}}} to always "
                     "return real logits.")
+            site = _caller_site()
+            if site not in materialized_at:
+                log.info("fxfuse: lazy logits %s computed (one [tokens x vocab] projection the fused loss had "
+                         "avoided), first read at %s", tuple(self.shape), site)
+            materialized_at[site] += 1
             with torch._C.DisableTorchFunctionSubclass():
                 self._fx_value = apply_recipe(h, w, b, recipe, wt)
             for handle in self._fx_hooks:
@@ -130,9 +147,22 @@ class LazyLogits(torch.Tensor):
             handle = _DeferredHook(args[1] if len(args) > 1 else kwargs["hook"])
             args[0]._fx_hooks.append(handle)
             return handle
+        if (func is torch.Tensor.clone and type(args[0]) is LazyLogits and not args[0].materialized and len(args) == 1
+                and kwargs.get("memory_format", torch.preserve_format) in (torch.preserve_format,
+                                                                          torch.contiguous_format)):
+            # DDP's output sink clones every output tensor each step (HF Trainer's default find_unused_parameters,
+            # a static graph's first step): a clone of logits nobody read is more lazy logits, computed from the
+            # same forward's tensors if it is read, not a [tokens x vocab] projection now.
+            return args[0]._lazy_copy()
         args, kwargs = tree_map_only(LazyLogits, lambda t: t.materialize(), (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def _lazy_copy(self) -> "LazyLogits":
+        h, w, b, recipe, wt = self._fx_args
+        copy = LazyLogits(h, w, b, recipe, wt, self.dtype)
+        copy._fx_versions = self._fx_versions  # the forward's versions: reading after an optimizer step still raises
+        return copy
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -155,6 +185,18 @@ class _DeferredHook:
         self.removed = True
         if self.handle is not None:
             self.handle.remove()
+
+
+def _caller_site() -> str:
+    """``file:line in function`` of the innermost frame outside this module and torch's tensor/pytree plumbing."""
+    skip = (_HERE, os.path.join("torch", "utils", "_pytree"), os.path.join("torch", "_tensor"),
+            os.path.join("torch", "overrides"))
+    f = sys._getframe(1)
+    while f is not None and any(s in f.f_code.co_filename for s in skip):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
 
 
 def _versions(*ts) -> Tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Several processes (gloo, 2 ranks on the CPU): DDP, FSDP2 with the whole model compiled, FSDP2 with
+"""Several processes (gloo, 2 ranks on the CPU): DDP (also around ``compile_regions`` with HF Trainer's
+``find_unused_parameters=True``), FSDP2 with the whole model compiled, FSDP2 with
 ``compile_regions``, FSDP2 over a PEFT LoRA model. In each, fxfuse's fused ops run (seen by the profiler) and the
 loss averaged over the ranks equals single-process eager on the same global batch, before and after an optimizer
 step (so the gradients agree too). ``compile_regions`` is also checked in one process. Every rank must finish, its
@@ -105,6 +106,10 @@ def _train(rank, world, case):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         fwd = torch.compile(DDP(m), backend="fxfuse", options=AOT)
+    elif case == "ddp_regions_unused":  # HF Trainer's DDP: find_unused_parameters=True around compiled blocks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        fwd = DDP(compile_regions(m, compiler="aot_eager"), find_unused_parameters=True)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -139,7 +144,10 @@ def _train(rank, world, case):
         dist.all_reduce(avg)
         losses.append(avg.item() / world)
     fused = sorted({r.pass_name for rep in fxfuse.reports() for r in rep.fused})
-    return {"losses": losses, "ops": sorted(ops), "fused": fused, "logits_computed": logits_computed}
+    from fxfuse.lazy import materialized_at
+
+    return {"losses": losses, "ops": sorted(ops), "fused": fused, "logits_computed": logits_computed,
+            "lazy_logits_computed_at": dict(materialized_at)}
 
 
 def _gloo_worker_threads():
@@ -282,6 +290,8 @@ def _kill_tree(pid):
 
 @pytest.mark.parametrize("case,ops", [
     ("ddp", {"fxfuse::linear_cross_entropy_fwd"}),
+    # DDP's output sink (find_unused_parameters=True) clones the lazy logits: still never computed
+    ("ddp_regions_unused", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2", {"fxfuse::linear_cross_entropy_fwd"}),
     # regions: the base model runs eagerly and builds no mask for these unpadded rows, so the blocks run SDPA's
     # own causal kernels (no fxfuse attention op); the head's loss is fused
@@ -300,7 +310,7 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     assert got["losses"] == pytest.approx(ref, rel=2e-5), (got, ref)
     missing = {o for o in ops if not any(name.startswith(o) for name in got["ops"])}
     assert not missing, (missing, got)
-    assert not any(got["logits_computed"]), got
+    assert not any(got["logits_computed"]) and not got["lazy_logits_computed_at"], got
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():

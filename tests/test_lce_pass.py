@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import fxfuse
+from fxfuse.errors import FxFuseError
 from fxfuse.lazy import LazyLogits
 
 from conftest import assert_grads_close, grads_of, tiny_causal_lm
@@ -243,6 +244,59 @@ def test_a_backward_hook_on_lazy_logits_computes_nothing_until_they_are_read():
     removed.remove()
     (out.loss + out.logits.float().logsumexp(-1).mean()).backward()
     assert seen == [(2, 10, model.config.vocab_size)]
+
+
+@pytest.mark.slow
+def test_a_clone_of_lazy_logits_stays_lazy_like_ddps_output_sink_makes_it():
+    """DDP with ``find_unused_parameters=True`` (HF Trainer's default) passes every output through an autograd
+    function that clones it: that computed the [tokens, vocab] logits every step. A clone of lazy logits is lazy
+    logits of the same forward: nothing computed until read; read, the values and the gradient through them are
+    eager's; read after an optimizer step, it raises like the original."""
+    import fxfuse.lazy as lazy
+
+    model = tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (2, 10))
+
+    class Sink(torch.autograd.Function):  # what torch.nn.parallel.distributed._DDPSink does with the outputs
+        @staticmethod
+        def forward(ctx, *xs):
+            return tuple(x.clone() for x in xs)
+
+        @staticmethod
+        def backward(ctx, *gs):
+            return gs
+
+    def step(m, read):
+        o = m(input_ids=ids, labels=ids, use_cache=False)
+        loss, logits = Sink.apply(o.loss, o.logits)
+        total = loss + (1e-2 * logits.float().logsumexp(-1).pow(2).mean() if read else 0)
+        total.backward()
+        return o, logits, total.detach()
+
+    fn = torch.compile(model, backend="fxfuse", options=AOT)
+    step(fn, read=False)  # compiles (the tests' verify_rewrites runs the graphs once)
+    model.zero_grad()
+    before = sum(lazy.materialized_at.values())
+    out, cloned, _ = step(fn, read=False)
+    assert isinstance(cloned, LazyLogits) and not cloned.materialized and not out.logits.materialized
+    assert cloned.shape == out.logits.shape and cloned.dtype == out.logits.dtype
+    assert sum(lazy.materialized_at.values()) == before  # nothing computed anywhere
+    model.zero_grad()
+
+    ref = step(model, read=True)[2]
+    gref = grads_of(model)
+    model.zero_grad()
+    got = step(fn, read=True)[2]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert_grads_close(model, gref)
+    assert any("test_lce_pass.py" in site for site in lazy.materialized_at)  # the read is where it was computed
+
+    out, cloned, _ = step(fn, read=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # an optimizer step
+    with pytest.raises(FxFuseError, match="changed in place"):
+        cloned.float()
 
 
 def test_lazy_logits_whose_weight_was_freed_raise_instead_of_reading_freed_memory():
