@@ -42,6 +42,7 @@ _METADATA = {
     torch.Tensor.layout.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__,
     torch.Tensor.is_sparse.__get__, torch.Tensor.is_quantized.__get__, torch.Tensor.is_meta.__get__,
     torch.Tensor._base.__get__, torch.Tensor.is_nested.__get__,  # FSDP2's output checks (a lazy tensor is no view)
+    torch.is_floating_point, torch.is_complex, torch.Tensor.is_complex, torch.numel,  # FSDP2's output cast asks
 }
 
 
@@ -147,22 +148,47 @@ class LazyLogits(torch.Tensor):
             handle = _DeferredHook(args[1] if len(args) > 1 else kwargs["hook"])
             args[0]._fx_hooks.append(handle)
             return handle
-        if (func is torch.Tensor.clone and type(args[0]) is LazyLogits and not args[0].materialized and len(args) == 1
-                and kwargs.get("memory_format", torch.preserve_format) in (torch.preserve_format,
-                                                                          torch.contiguous_format)):
-            # DDP's output sink clones every output tensor each step (HF Trainer's default find_unused_parameters,
-            # a static graph's first step): a clone of logits nobody read is more lazy logits, computed from the
-            # same forward's tensors if it is read, not a [tokens x vocab] projection now.
-            return args[0]._lazy_copy()
+        if type(args[0]) is LazyLogits and not args[0].materialized:
+            # What wrappers do to every output each step must not compute logits nobody reads: DDP's output sink
+            # clones them (HF Trainer's default find_unused_parameters, a static graph's first step), FSDP2 casts
+            # them to its output_dtype (accelerate sets it). A clone or a cast of lazy logits is more lazy logits,
+            # computed from the same forward's tensors if it is read.
+            if func is torch.Tensor.clone and len(args) == 1 and kwargs.get(
+                    "memory_format", torch.preserve_format) in (torch.preserve_format, torch.contiguous_format):
+                return args[0]._lazy_copy()
+            if func is torch.Tensor.to:
+                cast = args[0]._lazy_cast(args[1:], kwargs)
+                if cast is not None:
+                    return cast
         args, kwargs = tree_map_only(LazyLogits, lambda t: t.materialize(), (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-    def _lazy_copy(self) -> "LazyLogits":
+    def _lazy_copy(self, cast: Optional[torch.dtype] = None) -> "LazyLogits":
         h, w, b, recipe, wt = self._fx_args
-        copy = LazyLogits(h, w, b, recipe, wt, self.dtype)
+        if cast is not None:  # the values in this dtype, then cast: what .to(cast) of the real logits gives
+            recipe = tuple(recipe) + (("cast", cast),)
+        copy = LazyLogits(h, w, b, recipe, wt, cast or self.dtype)
         copy._fx_versions = self._fx_versions  # the forward's versions: reading after an optimizer step still raises
         return copy
+
+    def _lazy_cast(self, args, kwargs) -> Optional["LazyLogits"]:
+        """``self.to(...)`` kept lazy when it only changes the floating dtype (or copies); None otherwise."""
+        if args and isinstance(args[0], torch.Tensor):
+            return None  # .to(other): device and dtype of another tensor, rare on outputs
+        copy = kwargs.get("copy", False)
+        try:
+            device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(
+                *args, **{k: v for k, v in kwargs.items() if k != "copy"})
+        except (TypeError, RuntimeError):
+            return None
+        if device is not None and torch.device(device) != self.device:
+            return None
+        if memory_format not in (None, torch.preserve_format) or (dtype is not None and not dtype.is_floating_point):
+            return None
+        if dtype is None or dtype == self.dtype:
+            return self._lazy_copy() if copy else self
+        return self._lazy_copy(cast=dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -122,7 +122,12 @@ def _train(rank, world, case):
             fully_shard([m.model.norm, m.lm_head], mesh=mesh, reshard_after_forward=False)
         elif case == "fsdp2_regions_head":  # the lm-head a unit of its own, resharded after its forward
             fully_shard(m.lm_head, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+        if case == "fsdp2_regions_output_dtype":  # accelerate's policy casts the root's outputs (to bf16 there; to
+            from torch.distributed.fsdp import MixedPrecisionPolicy  # float64 here, which keeps eager's losses)
+
+            fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64))
+        else:
+            fully_shard(m, mesh=mesh)
         if case.startswith("fsdp2_regions"):
             fwd = compile_regions(m, compiler="aot_eager")
         else:
@@ -300,6 +305,8 @@ def _kill_tree(pid):
     # around the compiled loss, which stays fused
     ("fsdp2_regions_tail", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2_regions_head", {"fxfuse::linear_cross_entropy_fwd"}),
+    # the root's outputs cast to the policy's output_dtype: the lazy logits too, still never computed
+    ("fsdp2_regions_output_dtype", {"fxfuse::linear_cross_entropy_fwd"}),
     ("fsdp2_lora", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::lora_linear"}),
 ])
 def test_two_ranks_match_single_process_eager(case, ops, tmp_path):

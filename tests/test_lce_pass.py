@@ -299,6 +299,41 @@ def test_a_clone_of_lazy_logits_stays_lazy_like_ddps_output_sink_makes_it():
         cloned.float()
 
 
+@pytest.mark.slow
+def test_a_cast_of_lazy_logits_stays_lazy_like_fsdp2s_output_dtype_makes_it():
+    """FSDP2 casts the root's outputs to its policy's ``output_dtype`` (accelerate sets it): ``.to(dtype)`` of lazy
+    logits computed them every step. A floating cast (same device) is now lazy logits in that dtype, read as
+    ``.to(dtype)`` of the real logits; a cast to their own dtype is themselves; an integer cast still reads them."""
+    import fxfuse.lazy as lazy
+
+    model = tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (2, 10))
+    fn = torch.compile(model, backend="fxfuse", options=AOT)
+    fn(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # compiles
+    model.zero_grad()
+    ref = model(input_ids=ids, labels=ids, use_cache=False)
+
+    before = sum(lazy.materialized_at.values())
+    out = fn(input_ids=ids, labels=ids, use_cache=False)
+    wide = out.logits.to(torch.float64)
+    assert out.logits.to(out.logits.dtype) is out.logits
+    also = out.logits.to("cpu", dtype=torch.float64, non_blocking=True)
+    copied = out.logits.to(out.logits.dtype, copy=True)
+    for t, dtype in ((wide, torch.float64), (also, torch.float64), (copied, out.logits.dtype)):
+        assert isinstance(t, LazyLogits) and not t.materialized and t.dtype == dtype and t.shape == ref.logits.shape
+    assert sum(lazy.materialized_at.values()) == before
+    (out.loss + 1e-2 * wide.logsumexp(-1).pow(2).mean()).backward()  # read: computed, and backpropagated
+    got = grads_of(model)
+    model.zero_grad()
+    (ref.loss + 1e-2 * ref.logits.to(torch.float64).logsumexp(-1).pow(2).mean()).backward()
+    assert_grads_close(model, got)  # the model holds eager's gradients now
+    torch.testing.assert_close(wide.detach(), ref.logits.detach().to(torch.float64), rtol=1e-5, atol=1e-5)
+    assert sum(lazy.materialized_at.values()) == before + 1  # only the read one
+    assert not out.logits.materialized
+    as_int = out.logits.to(torch.int64)  # not a floating cast: the logits themselves are read
+    assert not isinstance(as_int, LazyLogits) and as_int.dtype == torch.int64 and out.logits.materialized
+
+
 def test_lazy_logits_whose_weight_was_freed_raise_instead_of_reading_freed_memory():
     """FSDP2 frees a unit's gathered weight (its storage resized to 0) when it reshards: logits read later cannot be
     computed, and say so rather than reading freed memory. Before that they compute as usual."""
