@@ -45,6 +45,10 @@ _METADATA = {
     torch.is_floating_point, torch.is_complex, torch.Tensor.is_complex, torch.numel,  # FSDP2's output cast asks
 }
 
+# Casting methods kept lazy like ``.to(dtype)``.
+_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64, torch.Tensor.half: torch.float16,
+          torch.Tensor.bfloat16: torch.bfloat16}
+
 
 def apply_recipe(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  recipe: Sequence[Tuple[str, Any]], weight_transposed: bool = False) -> torch.Tensor:
@@ -78,6 +82,7 @@ class LazyLogits(torch.Tensor):
         r._fx_versions = _versions(hidden, weight, bias)
         r._fx_value = None
         r._fx_hooks = []  # backward hooks registered before the logits exist: put on them when they do
+        r._fx_source, r._fx_cast = None, None  # a lazy clone / cast: the lazy logits it is of, and the dtype
         return r
 
     def __init__(self, *args, **kwargs):
@@ -89,6 +94,14 @@ class LazyLogits(torch.Tensor):
         Raises :class:`~fxfuse.errors.FxFuseError` when a tensor they are computed from was modified in place since
         the forward (``optimizer.step()`` updates the lm-head weight): the values would no longer be the ones the
         forward produced."""
+        if self._fx_value is None and self._fx_source is not None:
+            # A lazy clone or cast reads its source, so the gradient flows through the source's logits and the hooks
+            # registered there (FSDP2's root registers its pre-backward hook before it casts) run.
+            value = self._fx_source.materialize()
+            with torch._C.DisableTorchFunctionSubclass():
+                self._fx_value = value.clone() if self._fx_cast is None else value.to(self._fx_cast)
+            for handle in self._fx_hooks:
+                handle.attach(self._fx_value)
         if self._fx_value is None:
             h, w, b, recipe, wt = self._fx_args
             freed = [n for n, t in zip(("hidden states", "lm-head weight", "lm-head bias"), (h, w, b))
@@ -160,16 +173,18 @@ class LazyLogits(torch.Tensor):
                 cast = args[0]._lazy_cast(args[1:], kwargs)
                 if cast is not None:
                     return cast
+            if func in _CASTS and len(args) == 1 and kwargs.get("memory_format", torch.preserve_format) is \
+                    torch.preserve_format:  # accelerate's convert_outputs_to_fp32 calls .float() on bf16 outputs
+                dtype = _CASTS[func]
+                return args[0] if dtype == args[0].dtype else args[0]._lazy_copy(cast=dtype)
         args, kwargs = tree_map_only(LazyLogits, lambda t: t.materialize(), (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     def _lazy_copy(self, cast: Optional[torch.dtype] = None) -> "LazyLogits":
-        h, w, b, recipe, wt = self._fx_args
-        if cast is not None:  # the values in this dtype, then cast: what .to(cast) of the real logits gives
-            recipe = tuple(recipe) + (("cast", cast),)
-        copy = LazyLogits(h, w, b, recipe, wt, cast or self.dtype)
-        copy._fx_versions = self._fx_versions  # the forward's versions: reading after an optimizer step still raises
+        """A clone (``cast`` None) or a cast of these logits, computed from them when (if) it is read."""
+        copy = LazyLogits(*self._fx_args, cast or self.dtype)
+        copy._fx_source, copy._fx_cast = self, cast
         return copy
 
     def _lazy_cast(self, args, kwargs) -> Optional["LazyLogits"]:

@@ -296,14 +296,15 @@ def test_a_clone_of_lazy_logits_stays_lazy_like_ddps_output_sink_makes_it():
         for p in model.parameters():
             p.add_(1.0)  # an optimizer step
     with pytest.raises(FxFuseError, match="changed in place"):
-        cloned.float()
+        cloned.argmax(-1)
 
 
 @pytest.mark.slow
 def test_a_cast_of_lazy_logits_stays_lazy_like_fsdp2s_output_dtype_makes_it():
     """FSDP2 casts the root's outputs to its policy's ``output_dtype`` (accelerate sets it): ``.to(dtype)`` of lazy
-    logits computed them every step. A floating cast (same device) is now lazy logits in that dtype, read as
-    ``.to(dtype)`` of the real logits; a cast to their own dtype is themselves; an integer cast still reads them."""
+    logits computed them every step. A floating cast (same device; also ``.float()`` and friends, which accelerate's
+    ``convert_outputs_to_fp32`` calls) is now lazy logits in that dtype, read as ``.to(dtype)`` of the real logits,
+    through them; a cast to their own dtype is themselves; an integer cast still reads them."""
     import fxfuse.lazy as lazy
 
     model = tiny_causal_lm("llama")
@@ -319,7 +320,9 @@ def test_a_cast_of_lazy_logits_stays_lazy_like_fsdp2s_output_dtype_makes_it():
     assert out.logits.to(out.logits.dtype) is out.logits
     also = out.logits.to("cpu", dtype=torch.float64, non_blocking=True)
     copied = out.logits.to(out.logits.dtype, copy=True)
-    for t, dtype in ((wide, torch.float64), (also, torch.float64), (copied, out.logits.dtype)):
+    assert out.logits.float() is out.logits  # already float32 here
+    for t, dtype in ((wide, torch.float64), (also, torch.float64), (copied, out.logits.dtype),
+                     (out.logits.bfloat16(), torch.bfloat16), (wide.float(), torch.float32)):
         assert isinstance(t, LazyLogits) and not t.materialized and t.dtype == dtype and t.shape == ref.logits.shape
     assert sum(lazy.materialized_at.values()) == before
     (out.loss + 1e-2 * wide.logsumexp(-1).pow(2).mean()).backward()  # read: computed, and backpropagated
@@ -328,8 +331,15 @@ def test_a_cast_of_lazy_logits_stays_lazy_like_fsdp2s_output_dtype_makes_it():
     (ref.loss + 1e-2 * ref.logits.to(torch.float64).logsumexp(-1).pow(2).mean()).backward()
     assert_grads_close(model, got)  # the model holds eager's gradients now
     torch.testing.assert_close(wide.detach(), ref.logits.detach().to(torch.float64), rtol=1e-5, atol=1e-5)
-    assert sum(lazy.materialized_at.values()) == before + 1  # only the read one
-    assert not out.logits.materialized
+    assert sum(lazy.materialized_at.values()) == before + 1  # one projection, for the read cast
+    assert out.logits.materialized  # read through its source: gradients and the source's hooks go through it
+    seen = []  # FSDP2's root hooks the outputs first, then casts them: the hook must see the gradient of a read cast
+    out = fn(input_ids=ids, labels=ids, use_cache=False)
+    out.logits.register_hook(lambda g: seen.append(tuple(g.shape)))
+    (out.loss + out.logits.to(torch.float64).logsumexp(-1).mean()).backward()
+    assert seen == [tuple(ref.logits.shape)]
+
+    out = fn(input_ids=ids, labels=ids, use_cache=False)
     as_int = out.logits.to(torch.int64)  # not a floating cast: the logits themselves are read
     assert not isinstance(as_int, LazyLogits) and as_int.dtype == torch.int64 and out.logits.materialized
 
