@@ -344,6 +344,30 @@ def test_a_cast_of_lazy_logits_stays_lazy_like_fsdp2s_output_dtype_makes_it():
     assert not isinstance(as_int, LazyLogits) and as_int.dtype == torch.int64 and out.logits.materialized
 
 
+@pytest.mark.slow
+def test_accelerates_fp32_output_conversion_keeps_lazy_logits_lazy():
+    """accelerate wraps a mixed-precision model's forward in ``convert_outputs_to_fp32``: ``.float()`` on every bf16
+    output. Under bf16 autocast the lazy logits are bf16, and that call must not compute them."""
+    from accelerate.utils import convert_to_fp32
+
+    import fxfuse.lazy as lazy
+
+    model = tiny_causal_lm("llama")
+    ids = torch.randint(0, 128, (2, 10))
+    fn = torch.compile(model, backend="fxfuse", options=AOT)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fn(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # compiles
+        model.zero_grad()
+        before = sum(lazy.materialized_at.values())
+        out = fn(input_ids=ids, labels=ids, use_cache=False)
+    assert isinstance(out.logits, LazyLogits) and out.logits.dtype == torch.bfloat16
+    conv = convert_to_fp32(out)
+    assert isinstance(conv.logits, LazyLogits) and conv.logits.dtype == torch.float32 and not conv.logits.materialized
+    conv.loss.backward()
+    assert sum(lazy.materialized_at.values()) == before and not out.logits.materialized
+    torch.testing.assert_close(conv.logits.detach(), out.logits.detach().float())  # read: bf16 values, widened
+
+
 def test_lazy_logits_whose_weight_was_freed_raise_instead_of_reading_freed_memory():
     """FSDP2 frees a unit's gathered weight (its storage resized to 0) when it reshards: logits read later cannot be
     computed, and say so rather than reading freed memory. Before that they compute as usual."""
