@@ -9,6 +9,11 @@ ordinary differentiable torch ops, so gradients flow back into the compiled grap
 Read after the weights changed in place (an optimizer step), they raise instead of returning logits of the new
 weights: the version counters of the hidden states, weight and bias are recorded at the forward.
 
+What wrappers do to every output each step stays lazy too: a clone (DDP's output sink) or a floating cast on the same
+device (FSDP2's ``output_dtype``, accelerate's ``convert_outputs_to_fp32``) gives lazy logits that, if read, read
+these and clone or cast them, so gradients and the hooks registered on these go through them.
+``materialized_at`` counts where lazy logits were computed after all, by the reader's ``file:line``.
+
 Turn it off with ``pass_options={"linear_cross_entropy": {"logits": "materialize"}}``.
 """
 from __future__ import annotations
@@ -164,8 +169,8 @@ class LazyLogits(torch.Tensor):
         if type(args[0]) is LazyLogits and not args[0].materialized:
             # What wrappers do to every output each step must not compute logits nobody reads: DDP's output sink
             # clones them (HF Trainer's default find_unused_parameters, a static graph's first step), FSDP2 casts
-            # them to its output_dtype (accelerate sets it). A clone or a cast of lazy logits is more lazy logits,
-            # computed from the same forward's tensors if it is read.
+            # them to its output_dtype (accelerate sets it), accelerate's convert_outputs_to_fp32 calls .float(). A
+            # clone or a floating cast of lazy logits is more lazy logits, which if read reads these and copies them.
             if func is torch.Tensor.clone and len(args) == 1 and kwargs.get(
                     "memory_format", torch.preserve_format) in (torch.preserve_format, torch.contiguous_format):
                 return args[0]._lazy_copy()
