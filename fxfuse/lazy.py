@@ -102,9 +102,17 @@ class LazyLogits(torch.Tensor):
         if self._fx_value is None and self._fx_source is not None:
             # A lazy clone or cast reads its source, so the gradient flows through the source's logits and the hooks
             # registered there (FSDP2's root registers its pre-backward hook before it casts) run.
-            value = self._fx_source.materialize()
+            src = self._fx_source
+            value = src.materialize()
+            if value._version != src._fx_value_version:
+                # The source's logits were changed in place after this copy was made (a copy is only made while
+                # its source is unread): a real clone or cast would not see that, so this one is computed anew.
+                fresh = LazyLogits(*src._fx_args, src.dtype)
+                fresh._fx_versions = src._fx_versions  # still checked against the forward's weights
+                value = fresh.materialize()
             with torch._C.DisableTorchFunctionSubclass():
                 self._fx_value = value.clone() if self._fx_cast is None else value.to(self._fx_cast)
+            self._fx_value_version = self._fx_value._version
             for handle in self._fx_hooks:
                 handle.attach(self._fx_value)
         if self._fx_value is None:
@@ -142,6 +150,7 @@ class LazyLogits(torch.Tensor):
             materialized_at[site] += 1
             with torch._C.DisableTorchFunctionSubclass():
                 self._fx_value = apply_recipe(h, w, b, recipe, wt)
+            self._fx_value_version = self._fx_value._version  # lazy copies of these check it (in-place changes)
             for handle in self._fx_hooks:
                 handle.attach(self._fx_value)
         return self._fx_value

@@ -291,6 +291,16 @@ def test_a_clone_of_lazy_logits_stays_lazy_like_ddps_output_sink_makes_it():
     assert_grads_close(model, gref)
     assert any("test_lce_pass.py" in site for site in lazy.materialized_at)  # the read is where it was computed
 
+    # the logits changed in place after the copies were made: the copies keep the values of a real clone / cast
+    ref_logits = model(input_ids=ids, use_cache=False).logits.detach()
+    out = fn(input_ids=ids, labels=ids, use_cache=False)
+    clone, wide = out.logits.clone(), out.logits.to(torch.float64)
+    with torch.no_grad():
+        out.logits.add_(1.0)
+    torch.testing.assert_close(clone.detach(), ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wide.detach(), ref_logits.double(), rtol=1e-5, atol=1e-5)
+    model.zero_grad()
+
     out, cloned, _ = step(fn, read=False)
     with torch.no_grad():
         for p in model.parameters():
