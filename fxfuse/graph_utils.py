@@ -38,6 +38,8 @@ SCHEMAS: Dict[str, Tuple[str, ...]] = {
     "reshape": ("input", "shape"),
     "flatten": ("input", "start_dim", "end_dim"),
     "contiguous": ("input",),
+    "redistribute": ("input", "device_mesh", "placements"),
+    "to_local": ("input",),
     "t": ("input",),
     "transpose": ("input", "dim0", "dim1"),
     "permute": ("input", "dims"),
@@ -130,6 +132,7 @@ _METHODS: Dict[str, str] = {
     "detach": "detach", "view_as": "view_as", "clamp": "clamp", "clip": "clamp", "minimum": "minimum",
     "maximum": "maximum", "min": "min", "max": "max", "log": "log", "log1p": "log1p", "expm1": "expm1",
     "sigmoid": "sigmoid", "abs": "abs", "sqrt": "sqrt", "pow": "pow",
+    "redistribute": "redistribute", "to_local": "to_local",  # DTensor (tensor parallelism)
 }
 
 # ops that move or relabel elements but never change a value

@@ -13,6 +13,12 @@ records them:
   Cohere's multiply);
 * and at the top ``linear(h, W[, b])``, ``matmul(h, W.t())`` / ``h @ W.T`` / ``matmul(h, W.transpose(0, 1))``.
 
+Tensor parallelism: where ``W`` is a DTensor split over the vocabulary (``Shard(0)`` on a 1-D mesh, the lm-head under
+``ColwiseParallel``) and ``h`` a replicated DTensor, the logits are a vocabulary-sharded DTensor; the walk also
+accepts ``redistribute`` (to ``Replicate()``: the logits' all-gather of a gathered-output lm-head; to ``Shard(-1)``:
+nothing) and ``to_local`` after it, and the chain records the split (:class:`VocabSplit`) for the
+vocabulary-parallel op. Other DTensor layouts stop the walk with their placements in the reason.
+
 Anything else stops the walk with a reason the pass puts into the fusion report.
 """
 from __future__ import annotations
@@ -26,8 +32,16 @@ import torch.fx as fx
 from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, known_true, node_val, op_kind
 from fxfuse.kernels import lm_head_rows
 
-__all__ = ["LogitChain", "match_logit_chain", "CHUNK_BYTES_OPTION", "chunk_bytes_option", "const_operand",
+__all__ = ["LogitChain", "VocabSplit", "match_logit_chain", "CHUNK_BYTES_OPTION", "chunk_bytes_option", "const_operand",
            "is_last_dim"]
+
+
+@dataclass
+class VocabSplit:
+    """The lm-head's weight is split over the vocabulary between the ranks of ``group_name`` (DTensor Shard(0))."""
+    group_name: str
+    vocab_size: int
+    mesh_node: Optional[fx.Node]  # the graph's DeviceMesh value (to rebuild a DTensor loss), if it has one
 
 
 @dataclass
@@ -42,6 +56,7 @@ class LogitChain:
     pre_scale: float = 1.0
     post_scale: float = 1.0
     tanh: bool = False
+    vocab_split: Optional[VocabSplit] = None  # tensor parallelism: see VocabSplit
 
     @property
     def scale(self) -> float:
@@ -124,11 +139,62 @@ def _weight_of_matmul(n: fx.Node) -> Tuple[Optional[fx.Node], bool]:
     return None, False
 
 
+def _is_dtensor(v) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(v, DTensor)
+
+
+def _placements(v) -> str:
+    return ", ".join(str(p) for p in v.placements) if _is_dtensor(v) else "a plain tensor"
+
+
+def _shards_last_dim(v) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return _is_dtensor(v) and len(v.placements) == 1 and isinstance(v.placements[0], Shard) \
+        and v.placements[0].dim in (-1, v.dim() - 1)
+
+
+def _mesh_node(n: fx.Node) -> Optional[fx.Node]:
+    """The DeviceMesh node of the ``from_local`` that made ``n`` (through views and slices), if any."""
+    for _ in range(16):
+        if not isinstance(n, fx.Node):
+            return None
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "from_local":
+            m = n.args[1] if len(n.args) > 1 else n.kwargs.get("device_mesh")
+            return m if isinstance(m, fx.Node) else None
+        src = n.args[0] if n.args else None
+        n = src
+    return None
+
+
+def _vocab_split(h: fx.Node, w: fx.Node) -> Tuple[Optional[VocabSplit], str]:
+    """(VocabSplit, "") for a vocabulary-sharded DTensor lm-head weight with a replicated DTensor hidden; (None, "")
+    for plain tensors; (None, why) for any other DTensor layout."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    hv, wv = node_val(h), node_val(w)
+    if not _is_dtensor(wv) and not _is_dtensor(hv):
+        return None, ""
+    if not (_is_dtensor(wv) and len(wv.placements) == 1 and isinstance(wv.placements[0], Shard)
+            and wv.placements[0].dim == 0):
+        return None, f"DTensor lm-head weight placed ({_placements(wv)}): only a vocabulary split (Shard(0)) is fused"
+    if not (_is_dtensor(hv) and tuple(hv.placements) == (Replicate(),)):
+        return None, f"DTensor lm-head with the hidden states placed ({_placements(hv)}): only Replicate() is fused"
+    try:
+        group_name = wv.device_mesh.get_group().group_name
+    except Exception as e:  # noqa: BLE001  (a mesh Dynamo handed over without its process group)
+        return None, f"the lm-head weight's device mesh gives no process group ({type(e).__name__}: {e})"
+    return VocabSplit(group_name, int(wv.shape[0]), _mesh_node(h)), ""
+
+
 def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple[Optional[LogitChain], str]:
     """Walk from ``consumer_input`` up to an lm-head projection. Returns (chain, "") or (None, why not)."""
     nodes: List[fx.Node] = []
     row_index: List[Any] = []
     after, before, tanh = 1.0, 1.0, False  # multipliers nearer the loss than the tanh / nearer the projection
+    gathered = False  # a redistribute / to_local of vocabulary-sharded logits was walked through
     n = consumer_input
     while True:
         if n.op == "placeholder":
@@ -142,10 +208,17 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
                 return None, "linear with non-tensor operands"
             if not isinstance(node_val(w), torch.Tensor) or node_val(w).dim() != 2:
                 return None, "linear weight is not 2-D"
+            split, why = _vocab_split(h, w)
+            if why:
+                return None, why
+            if split is not None and isinstance(b, fx.Node):
+                return None, "vocabulary-sharded lm-head with a bias"
+            if gathered and split is None:
+                return None, "redistribute / to_local of logits that are not a vocabulary-sharded DTensor"
             nodes.append(n)
             pre, post = (before, after) if tanh else (after, 1.0)
             return LogitChain(h, w, b if isinstance(b, fx.Node) else None, n, nodes[::-1], row_index[::-1],
-                              False, pre, post, tanh), ""
+                              False, pre, post, tanh, split), ""
         if k == "matmul":
             h = arg(n, "input")
             w, transposed = _weight_of_matmul(n)
@@ -163,7 +236,23 @@ def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple
         src = _tensor_input(n)
         if src is None:
             return None, f"{k} has no tensor input"
-        if k in SHAPE_ONLY_KINDS:
+        if k in ("redistribute", "to_local"):
+            # vocabulary-sharded logits gathered (Replicate) or kept sharded: row r is still f(h_r @ W.T)
+            from torch.distributed.tensor import Replicate
+
+            v = node_val(src)
+            if k == "to_local":  # of gathered logits (whether they were split is checked at the projection)
+                if not (_is_dtensor(v) and tuple(v.placements) == (Replicate(),)):
+                    return None, (f"to_local of logits placed ({_placements(v)}): the loss reads this rank's "
+                                  "slice of the vocabulary only")
+            else:
+                out = node_val(n)
+                if not _shards_last_dim(v):
+                    return None, f"redistribute of logits placed ({_placements(v)}), not split over the vocabulary"
+                if not (_shards_last_dim(out) or (_is_dtensor(out) and tuple(out.placements) == (Replicate(),))):
+                    return None, f"redistribute of the logits to ({_placements(out)})"
+            gathered = True
+        elif k in SHAPE_ONLY_KINDS:
             if not _keeps_last_dim(n):
                 return None, f"{k} changes the vocabulary (last) dim"
         elif k == "getitem":

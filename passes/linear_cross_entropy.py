@@ -21,6 +21,12 @@ instead and the caller gets a :class:`fxfuse.lazy.LazyLogits` of the same shape 
 projection; the report says so. Not fused, with the reason in the report: class weights, probability targets, a non-2-D loss input
 (class dim 1), operands of different dtypes or devices, and any chain op not listed above.
 
+Tensor parallelism: an lm-head whose weight is a DTensor split over the vocabulary (``ColwiseParallel``), whether
+its logits stay sharded into a ``loss_parallel()`` cross-entropy or are gathered (``output_layouts=Replicate()``)
+first, becomes ``fxfuse::vocab_parallel_cross_entropy`` over the local shards: no rank materialises its [tokens x
+vocab / ranks] slice, and a gathered lm-head's [tokens x vocab] all-gather is gone (three O(tokens) all-reduces
+instead). A loss that was a DTensor stays one.
+
 Pass options (``pass_options={"linear_cross_entropy": {...}}``): ``logits``: ``"lazy"`` (default) or
 ``"materialize"`` (return real logits; the projection is then computed for them); ``chunk_bytes``: the op's
 logits-chunk budget in bytes (default 256 MiB; larger chunks are faster for big vocabularies, e.g. 1 GiB saves
@@ -35,6 +41,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
+import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (torch.ops.fxfuse.vocab_parallel_cross_entropy)
 from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.lazy import LazyLogits
 from fxfuse.registry import register_pass
@@ -173,6 +180,8 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
         ctx.skipped(node, kind, why)
         return False
 
+    if chain.vocab_split is not None:
+        return _rewrite_vocab_parallel_site(gm, node, kind, consts, z, target, chain, ctx)
     g = gm.graph
     reduction = consts["reduction"]
     grad_in_forward = reduction != "none"
@@ -227,6 +236,67 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
     op = f"{kind} <- {op_kind(chain.projection)} ({'softcap ' + format(chain.softcap, 'g') + ', ' if chain.softcap else ''}" \
          f"scale {chain.scale:g}, reduction {reduction})" + ("; returned logits are lazy" if lazy else "")
     ctx.fused(fused, op, saved_bytes=saved, **detail)
+    return True
+
+
+def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, consts, z: fx.Node,
+                                 target: fx.Node, chain: LogitChain, ctx) -> bool:
+    """The site over a vocabulary-sharded DTensor lm-head: the op on the local shards (``to_local``), the loss
+    wrapped back into a replicated DTensor where the graph's loss was one."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    split = chain.vocab_split
+    if float(consts["label_smoothing"]) != 0.0:
+        ctx.skipped(node, kind, "label smoothing over a vocabulary-sharded lm-head is not fused")
+        return False
+    out_val, t_val = node_val(node), node_val(target)
+    wrap = isinstance(out_val, DTensor)
+    if wrap and split.mesh_node is None:
+        ctx.skipped(node, kind, "the loss is a DTensor but the graph holds no device mesh to rebuild it from")
+        return False
+    if isinstance(t_val, DTensor) and tuple(t_val.placements) != (Replicate(),):
+        ctx.skipped(node, kind, f"targets placed ({', '.join(map(str, t_val.placements))}): only Replicate() is fused")
+        return False
+    g = gm.graph
+    reduction = consts["reduction"]
+    with g.inserting_before(node):
+        h = chain.hidden
+        for idx in chain.row_index:
+            h = g.call_function(__import__("operator").getitem, (h, idx))
+        h = g.call_method("to_local", (h,))
+        w = g.call_method("to_local", (chain.weight,))
+        t = g.call_method("to_local", (target,)) if isinstance(t_val, DTensor) else target
+        fused = g.call_function(
+            torch.ops.fxfuse.vocab_parallel_cross_entropy.default,
+            (h, w, t, split.vocab_size, split.group_name, int(consts["ignore_index"]), reduction,
+             float(chain.softcap), float(chain.scale), chunk_bytes_option(ctx)))
+        fused.meta["stack_trace"] = node.meta.get("stack_trace")
+        fused.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
+        out = fused
+        if out_val.dtype != torch.float32:
+            out = g.call_method("to", (out, out_val.dtype))
+        if wrap:
+            from torch.distributed.tensor._api import from_local
+
+            out = g.call_function(from_local, (out, split.mesh_node, (Replicate(),)), {"run_check": False})
+    node.replace_all_uses_with(out)
+    chain_nodes = list(chain.nodes)
+    log_softmax = arg(node, "input") if kind == "nll_loss" else None
+    g.erase_node(node)
+    if log_softmax is not None:
+        g.erase_node(log_softmax)
+    erased = erase_unused(g, chain_nodes)
+    still = [n for n in chain_nodes if n not in erased]
+    rows_x_vocab = numel_hint(node_val(z))
+    # at least each rank's fp32 slice of the softmax the loss saves (a gathered lm-head held the whole of it)
+    world = node_val(chain.weight).device_mesh.size()
+    ctx.fused(fused, f"{kind} <- {op_kind(chain.projection)} over a vocabulary split between ranks "
+                     f"(tensor parallelism; reduction {reduction})",
+              saved_bytes=rows_x_vocab * 4 // world, reduction=reduction, softcap=chain.softcap, scale=chain.scale,
+              ignore_index=int(consts["ignore_index"]), vocab_parallel=True, group=split.group_name,
+              tokens_x_vocab=rows_x_vocab,
+              logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still],
+              target_source=target_source(target))
     return True
 
 

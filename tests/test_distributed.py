@@ -168,12 +168,17 @@ def _train(rank, world, case):
 
 
 def _train_tp(rank, world, case):
-    """A vocabulary-sharded lm-head (tensor parallelism: ColwiseParallel, logits a DTensor sharded on the vocab) and
-    cross-entropy under ``loss_parallel()``, eager and compiled with fxfuse, on the same weights and tokens. fxfuse's
-    ops have no DTensor rules, so its loss pass must not run over DTensors: ``tp_module`` calls the parallelized
-    module (its output ``redistribute`` stands between head and loss: no lm-head found), ``tp_linear`` calls
-    ``F.linear`` on a replicated hidden DTensor and the sharded weight (matched, then rolled back by the FakeTensor
-    check). Returns the losses and head gradients of both, and the loss pass's status and reason."""
+    """A vocabulary-sharded lm-head (tensor parallelism: ColwiseParallel) and its cross-entropy, eager and compiled
+    with fxfuse, on the same weights and tokens (a 127-entry vocabulary: shards of 64 and 63 rows; ignored label
+    rows). Cases: ``tp_loss_parallel`` the module's logits stay sharded into a ``loss_parallel()`` cross-entropy
+    (its output ``redistribute`` is a no-op); ``tp_linear_softcap`` ``F.linear`` on a replicated hidden DTensor and
+    the sharded weight, a tanh softcap, ``loss_parallel()``; ``tp_gathered`` the logits gathered
+    (``output_layouts=Replicate()``, local output: HF's ``colwise_rep``) into a plain cross-entropy;
+    ``tp_local_slice`` each rank's local slice of the logits into a plain cross-entropy (a per-rank loss over part
+    of the vocabulary: eager's semantics, which a vocabulary-parallel loss would change). Returns the losses, the
+    lm-head's and the embeddings' gradients of both, the loss pass's sites and the fxfuse ops that ran."""
+    import contextlib
+
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -182,28 +187,41 @@ def _train_tp(rank, world, case):
     import fxfuse
 
     mesh = init_device_mesh("cpu", (world,))
-    ids = _global_batch()[0]
+    ids = _global_batch()[0] % 127
     labels = torch.roll(ids, -1, 1)
+    labels[:, :3] = -100
+    if case == "tp_local_slice":
+        labels = labels.where(labels < 0, labels % 60)  # classes every rank's slice holds
+    style = {"tp_gathered": ColwiseParallel(output_layouts=Replicate()),
+             "tp_local_slice": ColwiseParallel(output_layouts=Shard(-1))}.get(
+        case, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    parallel_loss = loss_parallel if case in ("tp_loss_parallel", "tp_linear_softcap") else contextlib.nullcontext
     out = {}
     for mode in ("eager", "fxfuse"):
         torch.manual_seed(0)
-        m = tiny_causal_lm("llama", attn_implementation="sdpa")
-        parallelize_module(m, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        m = tiny_causal_lm("llama", attn_implementation="sdpa", vocab_size=127)
+        parallelize_module(m, mesh, {"lm_head": style})
 
         def step(ids, labels):
             h = m.model(input_ids=ids, use_cache=False).last_hidden_state
-            if case == "tp_module":
-                logits = m.lm_head(h)
-            else:
+            if case == "tp_linear_softcap":
                 h = DTensor.from_local(h, mesh, [Replicate()], run_check=False, shape=h.shape, stride=h.stride())
-                logits = F.linear(h, m.lm_head.weight)
+                logits = torch.tanh(F.linear(h, m.lm_head.weight) / 3.0) * 3.0
+            else:
+                logits = m.lm_head(h)
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
         fn = step if mode == "eager" else torch.compile(step, backend="fxfuse", options=AOT)
-        with loss_parallel():
-            loss = fn(ids, labels)
-            loss.backward()
-        out[mode] = {"loss": float(loss.detach().full_tensor()), "grad": m.lm_head.weight.grad.full_tensor().tolist()}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with parallel_loss():
+                loss = fn(ids, labels)
+                loss.backward()
+        loss = loss.detach()
+        out[mode] = {"loss": float(loss.full_tensor() if isinstance(loss, DTensor) else loss),
+                     "loss_is_dtensor": isinstance(loss, DTensor),
+                     "grad": m.lm_head.weight.grad.full_tensor().tolist(),
+                     "embed_grad": m.model.embed_tokens.weight.grad.tolist(),
+                     "ops": sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")})}
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
              if r.pass_name == "linear_cross_entropy"]
     return {**out, "lce_sites": sites}
@@ -378,17 +396,26 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
 
 
 @pytest.mark.parametrize("case,status,why", [
-    ("tp_module", "skipped", "redistribute"),  # ColwiseParallel's output redistribute: no lm-head found
-    ("tp_linear", "rolled_back", "DTensor"),   # matched; fxfuse's op has no DTensor rule: rolled back, never run
+    ("tp_loss_parallel", "fused", ""),  # fxfuse::vocab_parallel_cross_entropy, the loss a DTensor again
+    ("tp_linear_softcap", "fused", ""),
+    ("tp_gathered", "fused", ""),       # the logits' all-gather gone
+    ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
 ])
-def test_tensor_parallel_lm_head_keeps_dtensors_loss_and_is_never_fused(case, status, why, tmp_path):
+def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, status, why, tmp_path):
+    """Under tensor parallelism the lm-head loss runs as the vocabulary-parallel op on each rank's weight shard and
+    gives eager DTensor's loss, lm-head gradient and hidden-state gradient (through the embeddings); a loss that
+    reads only a rank's slice of the vocabulary is left alone, with the reason in the report."""
     result = tmp_path / "result.json"
     _spawn(_worker, (2, _free_port(), case, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
     got = json.loads(result.read_text())
-    assert got["fxfuse"]["loss"] == pytest.approx(got["eager"]["loss"], rel=1e-6)
-    torch.testing.assert_close(torch.tensor(got["fxfuse"]["grad"]), torch.tensor(got["eager"]["grad"]),
-                               rtol=1e-5, atol=1e-7)
+    fx, ea = got["fxfuse"], got["eager"]
+    assert fx["loss"] == pytest.approx(ea["loss"], rel=1e-5)
+    assert fx["loss_is_dtensor"] == ea["loss_is_dtensor"]
+    for g in ("grad", "embed_grad"):
+        torch.testing.assert_close(torch.tensor(fx[g]), torch.tensor(ea[g]), rtol=1e-4, atol=1e-6)
     assert got["lce_sites"] and all(st == status and why in reason for st, reason in got["lce_sites"]), got["lce_sites"]
+    ran = any(o.startswith("fxfuse::vocab_parallel_cross_entropy") for o in fx["ops"])
+    assert ran == (status == "fused"), fx["ops"]
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():

@@ -123,13 +123,16 @@ if HAVE_TRITON:
         logits_ptr, stride_row,          # [C, V] chunk, overwritten with d loss / d logits when WRITE_GRAD
         target_ptr,                      # [C] int64
         g_ptr, stride_g,                 # per-row gradient weight (fp32); stride 0 = one device scalar
-        loss_ptr,                        # [C] fp32 per-row loss (WRITE_LOSS)
+        loss_ptr,                        # [C] fp32 per-row loss (WRITE_LOSS), or z[y] (LOSS_IS_ZY)
         mx_ptr, ls_ptr,                  # [C] fp32 row max and log S: written (WRITE_LSE) or read (HAVE_LSE)
         V, ignore_index, scale, softcap, inv_softcap, eps,
         HAVE_LSE: tl.constexpr, WRITE_LSE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
         SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr, FAST_TANH: tl.constexpr,
-        RN: tl.constexpr,
+        RN: tl.constexpr, LOSS_IS_ZY: tl.constexpr = False,
     ):
+        # A target outside [0, V) that is not ignore_index is *absent* from this slice of the vocabulary (the
+        # vocabulary-parallel op's rows whose class another rank holds): its row counts, z[y] is 0 and the gradient
+        # has no one-hot term.
         row = tl.program_id(0).to(tl.int64)  # int64: C * V exceeds 2**31 for big budgets
         base = logits_ptr + row * stride_row
         y = tl.load(target_ptr + row)
@@ -162,7 +165,9 @@ if HAVE_TRITON:
                 zyv += tl.where(cols == y, z, 0.0)
             mx, ls, _w, _s = stats_finish(m, r, BLOCK_V)
             zy = tl.sum(zyv, axis=0)
-            if WRITE_LOSS:
+            if LOSS_IS_ZY:  # the target logit itself (0 where absent or ignored), for a cross-rank combine
+                tl.store(loss_ptr + row, tl.where(valid, zy, 0.0))
+            elif WRITE_LOSS:
                 loss = (mx - zy) + ls
                 if SMOOTH:
                     loss = (1.0 - eps) * loss + eps * ((mx - tl.sum(sz, axis=0) / V) + ls)
@@ -233,7 +238,8 @@ def scale_by_device_scalar_(t: torch.Tensor, g: torch.Tensor) -> None:
         t.mul_(g)
 
 
-def _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
+def _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad,
+                 zy_out=False):
     """(args, constexprs) of one row-kernel launch over the [C, V] chunk ``buf`` (the grid is (C,))."""
     C, V = buf.shape
     # fp32 logits keep the exact tanh (tanh.approx's ~2^-11 relative error is far above fp32's: 1e-4 on the loss at
@@ -250,7 +256,7 @@ def _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale,
     consts = dict(HAVE_LSE=lse_in is not None, WRITE_LSE=lse_out is not None and lse_in is None,
                   WRITE_LOSS=loss_out is not None, WRITE_GRAD=bool(write_grad),
                   SOFTCAP=bool(softcap), SMOOTH=eps != 0.0, BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh, RN=rounded_z(buf),
-                  num_warps=num_warps)
+                  LOSS_IS_ZY=bool(zy_out), num_warps=num_warps)
     return args, consts
 
 
@@ -263,7 +269,8 @@ def _rows_key(args, consts) -> tuple:
             tuple(sorted(consts.items())))
 
 
-def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
+def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad,
+                 zy_out=False):
     """Launch the row kernel on one [C, V] chunk (same contract as :func:`_rows_torch`; ``lse_out`` / ``lse_in``
     are [2, C] fp32 row statistics: row 0 the max, row 1 log S)."""
     C, V = buf.shape
@@ -271,7 +278,7 @@ def _rows_triton(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale,
         return
     assert buf.stride(1) == 1, "logits chunk rows must be contiguous"
     args, consts = _rows_launch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps,
-                                write_grad)
+                                write_grad, zy_out)
     if background_compile.in_flight():  # its warm-up (lce_prewarm) still compiling: wait, do not compile it twice
         background_compile.wait_for(_lce_rows_kernel, _rows_key(args, consts))
     _lce_rows_kernel[(C,)](*args, **consts)
@@ -325,13 +332,16 @@ def lce_prewarm(hidden, weight, target, bias, ignore_index: int, reduction: str,
 
 
 # ================================================================================================ PyTorch twin
-def _rows_torch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad):
+def _rows_torch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, softcap, eps, write_grad,
+                zy_out=False):
     """The row step in PyTorch (CPU path). Same in-place contract as the kernel:
 
-    reads the [C, V] logits in ``buf``; writes per-row loss (fp32, 0 for ignored rows) into ``loss_out`` and the
+    reads the [C, V] logits in ``buf``; writes per-row loss (fp32, 0 for ignored rows; with ``zy_out`` the target
+    logit z[y] instead, 0 where absent or ignored) into ``loss_out`` and the
     row statistics into ``lse_out`` ([2, C] fp32: the max, log S; unless ``lse_in`` is given, then it is used
     instead of being computed); when ``write_grad``, overwrites ``buf`` with ``g * d loss_row / d logits`` (zeros
-    in ignored rows).
+    in ignored rows). A target outside [0, V) that is not ``ignore_index`` is absent from this vocabulary slice: the
+    row counts, with no one-hot term.
     """
     C, V = buf.shape
     if C == 0:
@@ -344,7 +354,11 @@ def _rows_torch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, 
         t = torch.tanh(z / softcap)
         z = t * softcap
     valid = target != ignore_index
-    y = torch.where(valid, target, 0).unsqueeze(1)
+    present = valid & (target >= 0) & (target < V)
+    y = torch.where(present, target, 0).unsqueeze(1)
+    if zy_out:
+        loss_out.copy_(torch.where(present, z.gather(1, y).squeeze(1), 0.0))
+        loss_out = None
     if lse_in is None:
         mx, ls, zs, e = row_stats_torch(z)
         del e
@@ -366,7 +380,8 @@ def _rows_torch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, 
         dy = torch.expm1(zs_y - ls)          # p_y - 1, accurate for peaked rows
         if eps:
             dy = dy + eps
-        d.scatter_(1, y, torch.where(valid, dy, 0.0).unsqueeze(1))
+        # the one-hot term where the target is in this slice; an absent target's column keeps its p
+        d.scatter_(1, y, torch.where(present, dy, torch.where(valid, d.gather(1, y).squeeze(1), 0.0)).unsqueeze(1))
         if eps:
             d -= eps / V
         coef = torch.where(valid, g.float().expand(C), 0.0) * scale
@@ -379,12 +394,14 @@ def _rows_torch(buf, target, g, loss_out, lse_out, lse_in, ignore_index, scale, 
 # ================================================================================================ chunk driver
 def lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str, softcap: float, scale: float,
                 label_smoothing: float, grad_in_forward: bool, need_gh: bool, need_gw: bool, need_gb: bool,
-                chunk_bytes: int):
+                chunk_bytes: int, target_logit: bool = False):
     """Forward of the fused op. hidden [N, D], weight [V, D], target [N], bias [V] or None.
 
     Returns (loss, lse, grad_hidden, grad_weight, grad_bias): loss fp32 ([] or [N] for "none"), lse the row
     statistics, fp32 [2, N] (row 0 the row max mx, row 1 ls = log sum exp(z - mx); logsumexp = mx + ls); the grads
     (for upstream grad 1, in the input dtype) only when ``grad_in_forward``, else empty tensors.
+    ``target_logit`` (reduction "none", no gradients): ``loss`` holds each row's target logit z[y] instead (0 where
+    the target is ignored or outside [0, V)), for the vocabulary-parallel op's combine across ranks.
     """
     N = hidden.shape[0]
     rows = _rows_triton if use_triton(hidden, FORCE_TRITON) else _rows_torch
@@ -400,7 +417,7 @@ def lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str,
 
     def step(buf, s, e):
         rows(buf, target[s:e], g, loss_rows[s:e], lse[:, s:e], None, ignore_index, scale, softcap,
-             label_smoothing, write_grad)
+             label_smoothing, write_grad, target_logit)
 
     gh, gw, gb = chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb and bias is not None,
                              chunk_bytes, write_grad)
