@@ -432,10 +432,10 @@ def lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str,
 
 def lce_backward(grad_loss, hidden, weight, target, bias, lse, ignore_index: int, reduction: str, softcap: float,
                  scale: float, label_smoothing: float, need_gh: bool, need_gw: bool, need_gb: bool,
-                 chunk_bytes: int):
+                 chunk_bytes: int, grad_hidden_fp32: bool = False):
     """Backward by recomputation (``grad_in_forward=False``): logits chunk by chunk from the saved row statistics
     ``lse`` ([2, N]: max, log S), with the upstream grad ``grad_loss`` ([] for mean/sum, [N] for "none").
-    Returns (grad_hidden, grad_weight, grad_bias)."""
+    Returns (grad_hidden, grad_weight, grad_bias); grad_hidden in fp32 with ``grad_hidden_fp32``."""
     rows = _rows_triton if use_triton(hidden, FORCE_TRITON) else _rows_torch
     target = target.contiguous()
     g = grad_loss.to(torch.float32)
@@ -448,7 +448,7 @@ def lce_backward(grad_loss, hidden, weight, target, bias, lse, ignore_index: int
              label_smoothing, True)
 
     return chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb and bias is not None, chunk_bytes,
-                       True)
+                       True, grad_hidden_fp32)
 
 
 # ================================================================================================ reference

@@ -227,17 +227,31 @@ def _addmm_fp32_(acc, a, b):
     acc.addmm_(a.float(), b.float())
 
 
-def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk_bytes, write_grad):
+def _mm_fp32(a, b, out):
+    """out = a @ b into an fp32 ``out`` with low-precision operands (one rounding, at the end, by the caller)."""
+    if out.is_cuda and a.dtype != torch.float32:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, TypeError):  # torch without mm(out_dtype=): upcast (slower, same numbers)
+            pass
+    torch.mm(a.float(), b.float(), out=out)
+
+
+def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk_bytes, write_grad,
+               grad_hidden_fp32=False):
     """Shared token-chunk loop: logits chunk (cuBLAS) -> ``rows_step(buf, start, end)`` -> gradient matmuls.
 
     Returns (grad_hidden, grad_weight, grad_bias), empty tensors for those not asked for (or when no gradient is
-    written in this pass).
+    written in this pass). ``grad_hidden_fp32``: grad_hidden in fp32, unrounded (a partial sum that the caller adds
+    to other ranks' before rounding it once: the vocabulary-parallel op).
     """
     N, D = hidden.shape
     V = weight.shape[0]
     dt = hidden.dtype
     empty = lambda: hidden.new_empty(0)  # noqa: E731  (distinct tensors: custom_op outputs must not alias)
-    gh = hidden.new_empty((N, D)) if (write_grad and need_gh) else empty()
+    gh = hidden.new_empty((N, D), dtype=torch.float32 if grad_hidden_fp32 else dt) if (write_grad and need_gh) \
+        else empty()
     gw, gw32 = empty(), None
     if write_grad and need_gw:
         gw = weight.new_empty((V, D))
@@ -262,7 +276,10 @@ def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk
             if not write_grad:
                 continue
             if need_gh:
-                torch.mm(buf, weight, out=gh[start:end])
+                if gh.dtype != buf.dtype:
+                    _mm_fp32(buf, weight, gh[start:end])
+                else:
+                    torch.mm(buf, weight, out=gh[start:end])
             if need_gw:
                 if gw32 is not None:
                     _addmm_fp32_(gw32, buf.t(), h_c)

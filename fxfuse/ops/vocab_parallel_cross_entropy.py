@@ -15,7 +15,8 @@ then combine three numbers per row:
 
 The backward recomputes each rank's logits chunk by chunk from the combined statistics (``p = exp(z - M - log S)``,
 the one-hot term only on the rank that holds the target) and all-reduces grad_hidden (each rank's is a partial
-sum over its vocabulary slice); grad_weight stays the rank's slice. Four matmuls instead of the one-rank op's
+sum over its vocabulary slice, all-reduced in fp32 and rounded once: DTensor's own loss all-reduces partials already
+rounded to bf16); grad_weight stays the rank's slice. Four matmuls instead of the one-rank op's
 three (the gradients cannot be formed in the forward: they need the other ranks' statistics first). What is
 communicated is O(N) per row plus grad_hidden, which the unfused lm-head's backward all-reduces too; the logits'
 all-gather of a gathered-output lm-head ([N, V] per rank) is gone.
@@ -132,9 +133,10 @@ def vocab_parallel_cross_entropy_bwd(
 ) -> Tuple[Tensor, Tensor]:
     gh, gw, _gb = K.lce_backward(grad_loss, hidden, weight, local_target, None, stats, ignore_index, reduction,
                                  softcap, scale, 0.0, grad_hidden, grad_weight, False,
-                                 chunk_budget(chunk_bytes, weight))
-    if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice
+                                 chunk_budget(chunk_bytes, weight), grad_hidden_fp32=True)
+    if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
         dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=_group(group_name))
+        gh = gh.to(hidden.dtype)
     return gh, gw
 
 

@@ -1,0 +1,119 @@
+"""``fxfuse::vocab_parallel_cross_entropy`` on two gloo ranks (CPU): each rank holds its torch.chunk slice of a
+127-entry vocabulary (64 and 63 rows) and the same hidden states and targets. The loss and every gradient (hidden,
+the rank's weight slice) are compared with a float64 reference of the whole-vocabulary loss, next to eager's
+distance from it (the same formula in the input dtype): ragged rows, ignored rows, a peaked and a flat row, softcap
+and scale, several logits chunks, both row implementations (the PyTorch twin and the Triton kernel in the
+interpreter). The pass that inserts the op is tested in ``test_distributed.py`` (tensor-parallel cases).
+
+Triton's interpreter rounds fp32 -> bf16 by truncation (1 + 2^-8 + 2^-10 becomes 1.0; the GPU's cvt.rn rounds to
+nearest), a biased error that sums up over a gradient's rows: the kernel path runs in fp32 here (its logic does not
+depend on the dtype), bf16 on the PyTorch path; bf16 on the kernel is checked on the GPU
+(``benchmarks/bench_tp_head.py``)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from test_distributed import RANK_TIMEOUT_S, _free_port, _spawn
+
+pytestmark = pytest.mark.slow  # starts processes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+V, N, D = 127, 37, 24
+
+
+def _cases(path):
+    for dt in (torch.float32,) + ((torch.bfloat16,) if path == "torch" else ()):
+        for softcap, scale in ((0.0, 1.0), (5.0, 0.5)):
+            for reduction in ("mean", "sum", "none"):
+                yield dt, softcap, scale, reduction
+
+
+def _worker(rank, world, port, path, result_path):
+    sys.path.insert(0, HERE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if path == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch.distributed as dist
+
+    from fxfuse.errors import FxFuseContractError
+    from fxfuse.kernels import linear_cross_entropy as K
+    from fxfuse.ops.linear_cross_entropy import linear_cross_entropy
+    from fxfuse.ops.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy, vocab_slice
+
+    K.FORCE_TRITON = path == "triton"
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    try:
+        start, length = vocab_slice(V, rank, world)
+        for dt, softcap, scale, reduction in _cases(path):
+            g = torch.Generator().manual_seed(1)
+            h = (torch.randn(N, D, generator=g) * 2).to(dt)
+            w = torch.randn(V, D, generator=g).to(dt)
+            h[0] = 0  # a flat row: uniform softmax
+            w[7] *= 8  # a peaked class (row 5's target)
+            t = torch.randint(0, V, (N,), generator=g)
+            t[3] = t[11] = -100
+            t[5], t[6], t[8], t[9] = 7, V - 1, 64, 63  # the peaked class, the last class, either side of the split
+            go = torch.rand(N, generator=g) + 0.5 if reduction == "none" else None
+            ref = K.lce_reference(h, w, t, reduction=reduction, softcap=softcap or None, scale=scale, grad_out=go)
+            # eager in the input dtype, whole vocabulary, on one rank
+            he, we = h.clone().requires_grad_(), w.clone().requires_grad_()
+            z = (he @ we.T).float() * scale
+            if softcap:
+                z = torch.tanh(z / softcap) * softcap
+            le = torch.nn.functional.cross_entropy(z, t, reduction=reduction)
+            le.backward(go) if go is not None else le.backward()
+            hf, wf = h.clone().requires_grad_(), w[start:start + length].clone().requires_grad_()
+            lf = vocab_parallel_cross_entropy(hf, wf, t, vocab_size=V, reduction=reduction, softcap=softcap or None,
+                                              scale=scale, chunk_bytes=16 * 64 * 4)  # several chunks
+            lf.backward(go) if go is not None else lf.backward()
+            h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()  # the one-rank op, same row path
+            l1 = linear_cross_entropy(h1, w1, t, reduction=reduction, softcap=softcap or None, scale=scale,
+                                      grad_in_forward=False, chunk_bytes=16 * 64 * 4)
+            l1.backward(go) if go is not None else l1.backward()
+
+            def err(a, b):
+                return (a.detach().double() - b.double()).abs().max().item()
+
+            sl = slice(start, start + length)
+            rows.append({"case": f"{dt} softcap={softcap} scale={scale} {reduction}",
+                         "fxfuse": [err(lf, ref[0]), err(hf.grad, ref[1]), err(wf.grad, ref[2][sl])],
+                         "eager": [err(le, ref[0]), err(he.grad, ref[1]), err(we.grad[sl], ref[2][sl])],
+                         "one_rank": [err(l1, ref[0]), err(h1.grad, ref[1]), err(w1.grad[sl], ref[2][sl])],
+                         "same_on_ranks": None})
+            both = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(both, lf.detach().double().sum().reshape(1))
+            rows[-1]["same_on_ranks"] = both[0].item() == both[1].item()
+        try:  # a weight slice that is not this rank's torch.chunk part
+            vocab_parallel_cross_entropy(h, w[:10], t, vocab_size=V)
+            contract = ""
+        except FxFuseContractError as e:
+            contract = str(e)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"rows": rows, "contract": contract}, f)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_two_ranks_match_the_float64_whole_vocabulary_loss(path, tmp_path):
+    if path == "triton":
+        pytest.importorskip("triton")
+    result = tmp_path / "result.json"
+    _spawn(_worker, (2, _free_port(), path, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
+    got = json.loads(result.read_text())
+    assert len(got["rows"]) == len(list(_cases(path)))
+    for r in got["rows"]:
+        assert r["same_on_ranks"], r
+        for what, f, e, one in zip(("loss", "grad hidden", "grad weight"), r["fxfuse"], r["eager"], r["one_rank"]):
+            # no further from float64 than eager (2x at most), nor than the one-rank fused op, with a floor at fp32
+            # rounding of O(1) values
+            assert f <= 2 * min(e, one) + 2e-6, (r["case"], what, f, e, one)
+    assert "fxfuse::vocab_parallel_cross_entropy" in got["contract"] and "64" in got["contract"], got["contract"]
