@@ -135,6 +135,8 @@ _METHODS: Dict[str, str] = {
     "redistribute": "redistribute", "to_local": "to_local",  # DTensor (tensor parallelism)
 }
 
+_CAPTURED: Dict[Optional[str], str] = {"prim_redistribute": "redistribute", "prim_to_local": "to_local"}
+
 # ops that move or relabel elements but never change a value
 SHAPE_ONLY_KINDS = frozenset({"view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze"})
 
@@ -153,9 +155,12 @@ def op_kind(n: Any) -> Optional[str]:
         return None
     if n.op == "call_function":
         try:
-            return _FUNCTIONS.get(n.target)
+            kind = _FUNCTIONS.get(n.target)
         except TypeError:  # unhashable target
             return None
+        # through torch 2.11 Dynamo captures a DTensor's redistribute / to_local as a function made on the fly
+        # (its arguments bound inside it): known by name only
+        return kind if kind is not None else _CAPTURED.get(getattr(n.target, "__name__", None))
     if n.op == "call_method":
         return _METHODS.get(n.target)
     return None

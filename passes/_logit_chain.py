@@ -41,7 +41,7 @@ class VocabSplit:
     """The lm-head's weight is split over the vocabulary between the ranks of ``group_name`` (DTensor Shard(0))."""
     group_name: str
     vocab_size: int
-    mesh_node: Optional[fx.Node]  # the graph's DeviceMesh value (to rebuild a DTensor loss), if it has one
+    mesh: Any  # the weight's DeviceMesh (to rebuild a DTensor loss)
 
 
 @dataclass
@@ -156,19 +156,6 @@ def _shards_last_dim(v) -> bool:
         and v.placements[0].dim in (-1, v.dim() - 1)
 
 
-def _mesh_node(n: fx.Node) -> Optional[fx.Node]:
-    """The DeviceMesh node of the ``from_local`` that made ``n`` (through views and slices), if any."""
-    for _ in range(16):
-        if not isinstance(n, fx.Node):
-            return None
-        if n.op == "call_function" and getattr(n.target, "__name__", "") == "from_local":
-            m = n.args[1] if len(n.args) > 1 else n.kwargs.get("device_mesh")
-            return m if isinstance(m, fx.Node) else None
-        src = n.args[0] if n.args else None
-        n = src
-    return None
-
-
 def _vocab_split(h: fx.Node, w: fx.Node) -> Tuple[Optional[VocabSplit], str]:
     """(VocabSplit, "") for a vocabulary-sharded DTensor lm-head weight with a replicated DTensor hidden; (None, "")
     for plain tensors; (None, why) for any other DTensor layout."""
@@ -186,7 +173,7 @@ def _vocab_split(h: fx.Node, w: fx.Node) -> Tuple[Optional[VocabSplit], str]:
         group_name = wv.device_mesh.get_group().group_name
     except Exception as e:  # noqa: BLE001  (a mesh Dynamo handed over without its process group)
         return None, f"the lm-head weight's device mesh gives no process group ({type(e).__name__}: {e})"
-    return VocabSplit(group_name, int(wv.shape[0]), _mesh_node(h)), ""
+    return VocabSplit(group_name, int(wv.shape[0]), wv.device_mesh), ""
 
 
 def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple[Optional[LogitChain], str]:

@@ -239,6 +239,17 @@ def _rewrite_site(gm: fx.GraphModule, node: fx.Node, ctx) -> bool:
     return True
 
 
+def _replicated_on(mesh):
+    """A graph function making a local loss the replicated DTensor the site returned (the mesh bound inside it, as
+    Dynamo binds a ``from_local``'s: a DeviceMesh is no graph constant)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def replicated_loss(x):
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    return replicated_loss
+
+
 def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, consts, z: fx.Node,
                                  target: fx.Node, chain: LogitChain, ctx) -> bool:
     """The site over a vocabulary-sharded DTensor lm-head: the op on the local shards (``to_local``), the loss
@@ -251,9 +262,6 @@ def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, c
         return False
     out_val, t_val = node_val(node), node_val(target)
     wrap = isinstance(out_val, DTensor)
-    if wrap and split.mesh_node is None:
-        ctx.skipped(node, kind, "the loss is a DTensor but the graph holds no device mesh to rebuild it from")
-        return False
     if isinstance(t_val, DTensor) and tuple(t_val.placements) != (Replicate(),):
         ctx.skipped(node, kind, f"targets placed ({', '.join(map(str, t_val.placements))}): only Replicate() is fused")
         return False
@@ -276,9 +284,7 @@ def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, c
         if out_val.dtype != torch.float32:
             out = g.call_method("to", (out, out_val.dtype))
         if wrap:
-            from torch.distributed.tensor._api import from_local
-
-            out = g.call_function(from_local, (out, split.mesh_node, (Replicate(),)), {"run_check": False})
+            out = g.call_function(_replicated_on(split.mesh), (out,))
     node.replace_all_uses_with(out)
     chain_nodes = list(chain.nodes)
     log_softmax = arg(node, "input") if kind == "nll_loss" else None

@@ -117,3 +117,55 @@ def test_two_ranks_match_the_float64_whole_vocabulary_loss(path, tmp_path):
             # rounding of O(1) values
             assert f <= 2 * min(e, one) + 2e-6, (r["case"], what, f, e, one)
     assert "fxfuse::vocab_parallel_cross_entropy" in got["contract"] and "64" in got["contract"], got["contract"]
+
+
+def test_logit_chain_reads_the_dtensor_calls_dynamo_captures_as_functions(tmp_path):
+    """Through torch 2.11 Dynamo records a DTensor's ``redistribute`` / ``to_local`` as functions made on the fly,
+    named ``prim_redistribute`` / ``prim_to_local`` (the placements bound inside; torch 2.13 records methods). The
+    lm-head matcher reads both: here a hand-built graph of a gathered-output lm-head (one gloo rank, in-process)."""
+    import torch.distributed as dist
+    import torch.fx as fx
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from fxfuse.passes._logit_chain import match_logit_chain
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        h = DTensor.from_local(torch.randn(2, 3, 8), mesh, [Replicate()])
+        w = DTensor.from_local(torch.randn(10, 8), mesh, [Shard(0)])
+        logits = torch.nn.functional.linear(h, w)
+        gathered = logits.redistribute(mesh, [Replicate()])
+        local = gathered.to_local()
+
+        def prim_redistribute(x):
+            return x.redistribute(mesh, [Replicate()])
+
+        def prim_to_local(x):
+            return x.to_local()
+
+        g = fx.Graph()
+        nh, nw = g.placeholder("h"), g.placeholder("w")
+        lin = g.call_function(torch.nn.functional.linear, (nh, nw))
+        red = g.call_function(prim_redistribute, (lin,))
+        loc = g.call_function(prim_to_local, (red,))
+        flat = g.call_method("reshape", (loc, -1, 10))
+        for node, val in ((nh, h), (nw, w), (lin, logits), (red, gathered), (loc, local),
+                          (flat, local.reshape(-1, 10))):
+            node.meta["example_value"] = val
+        chain, why = match_logit_chain(flat)
+        assert chain is not None, why
+        assert chain.vocab_split is not None and chain.vocab_split.vocab_size == 10
+        assert chain.hidden is nh and chain.weight is nw and [n.name for n in chain.nodes][1:3] == [red.name, loc.name]
+        # the local slice of sharded logits (no gather) is this rank's vocabulary only: not matched
+        g2 = fx.Graph()
+        nh2, nw2 = g2.placeholder("h"), g2.placeholder("w")
+        lin2 = g2.call_function(torch.nn.functional.linear, (nh2, nw2))
+        loc2 = g2.call_function(prim_to_local, (lin2,))
+        for node, val in ((nh2, h), (nw2, w), (lin2, logits), (loc2, logits.to_local())):
+            node.meta["example_value"] = val
+        chain, why = match_logit_chain(loc2)
+        assert chain is None and "this rank's slice" in why, why
+    finally:
+        dist.destroy_process_group()
