@@ -2,7 +2,8 @@
 127-entry vocabulary (64 and 63 rows) and the same hidden states and targets. The loss and every gradient (hidden,
 the rank's weight slice) are compared with a float64 reference of the whole-vocabulary loss, next to eager's
 distance from it (the same formula in the input dtype): ragged rows, ignored rows, a peaked and a flat row, softcap
-and scale, several logits chunks, both row implementations (the PyTorch twin and the Triton kernel in the
+and scale, several logits chunks, gradients formed in the forward ("mean") and recomputed in the backward ("sum",
+"none"), both row implementations (the PyTorch twin and the Triton kernel in the
 interpreter). The pass that inserts the op is tested in ``test_distributed.py`` (tensor-parallel cases).
 
 Triton's interpreter rounds fp32 -> bf16 by truncation (1 + 2^-8 + 2^-10 becomes 1.0; the GPU's cvt.rn rounds to
@@ -24,6 +25,9 @@ pytestmark = pytest.mark.slow  # starts processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V, N, D = 127, 37, 24
+#: several logits chunks, of different row counts for the two slices if counted by each slice's own size (10 rows
+#: of 63 fp32 logits, 9 of 64): the op must cut the same chunks on both ranks (it combines each chunk's statistics)
+CHUNK_BYTES = 63 * 4 * 10
 
 
 def _cases(path):
@@ -70,11 +74,12 @@ def _worker(rank, world, port, path, result_path):
             le.backward(go) if go is not None else le.backward()
             hf, wf = h.clone().requires_grad_(), w[start:start + length].clone().requires_grad_()
             lf = vocab_parallel_cross_entropy(hf, wf, t, vocab_size=V, reduction=reduction, softcap=softcap or None,
-                                              scale=scale, chunk_bytes=16 * 64 * 4)  # several chunks
+                                              scale=scale, chunk_bytes=CHUNK_BYTES,
+                                              grad_in_forward=reduction != "sum")  # "sum": the recompute path
             lf.backward(go) if go is not None else lf.backward()
             h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()  # the one-rank op, same row path
             l1 = linear_cross_entropy(h1, w1, t, reduction=reduction, softcap=softcap or None, scale=scale,
-                                      grad_in_forward=False, chunk_bytes=16 * 64 * 4)
+                                      grad_in_forward=False, chunk_bytes=CHUNK_BYTES)
             l1.backward(go) if go is not None else l1.backward()
 
             def err(a, b):

@@ -430,6 +430,41 @@ def lce_forward(hidden, weight, target, bias, ignore_index: int, reduction: str,
     return loss, lse, gh, gw, gb
 
 
+def lce_forward_split_vocab(hidden, weight, local_target, ignore_index: int, reduction: str, softcap: float,
+                            scale: float, need_gh: bool, need_gw: bool, chunk_bytes: int, combine, chunk_vocab: int):
+    """Forward of the vocabulary-parallel op with its gradients (for upstream grad 1), over this rank's slice
+    ``weight`` [V_local, D] of the vocabulary; ``local_target`` [N] as :func:`_rows_torch` reads it (a class of
+    another rank's slice is outside [0, V_local): absent).
+
+    Chunk by chunk: the logits (one matmul), this rank's row statistics and target logits, then
+    ``combine(mx, ls) -> (M, log_S)`` (the caller's collectives: the whole vocabulary's max and log S of the
+    chunk's rows; every rank cuts the same chunks, counted for ``chunk_vocab`` vocabulary rows), then the gradient over the chunk from those (the one-hot term only where the target is this
+    rank's) and the grad_hidden / grad_weight matmuls: three matmuls, as the one-rank op, where recomputing the
+    logits in the backward would take four. Returns (stats [2, N] fp32: M, log S; zy [N] fp32; grad_hidden [N, D]
+    fp32, this rank's part of the sum over the vocabulary; grad_weight [V_local, D])."""
+    N = hidden.shape[0]
+    rows = _rows_triton if use_triton(hidden, FORCE_TRITON) else _rows_torch
+    local_target = local_target.contiguous()
+    zy = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    lse_local = torch.empty((2, N), dtype=torch.float32, device=hidden.device)
+    stats = torch.empty((2, N), dtype=torch.float32, device=hidden.device)
+    n_valid = (local_target != ignore_index).sum()
+    g = 1.0 / n_valid.to(torch.float32) if reduction == "mean" else \
+        torch.ones((), dtype=torch.float32, device=hidden.device)
+
+    def step(buf, s, e):
+        t = local_target[s:e]
+        rows(buf, t, g, zy[s:e], lse_local[:, s:e], None, ignore_index, scale, softcap, 0.0, False, True)
+        m, log_s = combine(lse_local[0, s:e], lse_local[1, s:e])
+        stats[0, s:e].copy_(m)
+        stats[1, s:e].copy_(log_s)
+        rows(buf, t, g, None, None, stats[:, s:e], ignore_index, scale, softcap, 0.0, True)
+
+    gh, gw, _gb = chunk_loop(hidden, weight, None, step, need_gh, need_gw, False, chunk_bytes, True,
+                             grad_hidden_fp32=True, chunk_vocab=chunk_vocab)
+    return stats, zy, gh, gw
+
+
 def lce_backward(grad_loss, hidden, weight, target, bias, lse, ignore_index: int, reduction: str, softcap: float,
                  scale: float, label_smoothing: float, need_gh: bool, need_gw: bool, need_gb: bool,
                  chunk_bytes: int, grad_hidden_fp32: bool = False):

@@ -239,12 +239,14 @@ def _mm_fp32(a, b, out):
 
 
 def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk_bytes, write_grad,
-               grad_hidden_fp32=False):
+               grad_hidden_fp32=False, chunk_vocab=None):
     """Shared token-chunk loop: logits chunk (cuBLAS) -> ``rows_step(buf, start, end)`` -> gradient matmuls.
 
     Returns (grad_hidden, grad_weight, grad_bias), empty tensors for those not asked for (or when no gradient is
     written in this pass). ``grad_hidden_fp32``: grad_hidden in fp32, unrounded (a partial sum that the caller adds
-    to other ranks' before rounding it once: the vocabulary-parallel op).
+    to other ranks' before rounding it once: the vocabulary-parallel op). ``chunk_vocab``: the vocabulary size the
+    chunk rows are counted for, instead of ``weight``'s (ranks with slices of different sizes must cut the same
+    chunks when ``rows_step`` runs collectives).
     """
     N, D = hidden.shape
     V = weight.shape[0]
@@ -261,7 +263,7 @@ def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk
             gw.zero_()
     gb32 = torch.zeros(V, dtype=torch.float32, device=hidden.device) if (write_grad and need_gb) else None
     if N > 0:
-        C = rows_per_chunk(V, hidden.element_size(), chunk_bytes, N)
+        C = rows_per_chunk(chunk_vocab or V, hidden.element_size(), chunk_bytes, N)
         buf_all = hidden.new_empty((C, V))
         wt = weight.t()
         for start in range(0, N, C):
