@@ -10,7 +10,8 @@ every rank holding the same tokens' hidden states, forward + backward of the mea
 each eager, compiled by Inductor and compiled by fxfuse (which runs ``fxfuse::vocab_parallel_cross_entropy`` for
 both). Per row: median ms of 10 timed steps after 3 warm-up steps (CUDA events, the ranks in lockstep), the peak
 memory above the weights and inputs (rank 0), and, at the smallest token count, the loss and gradients against a
-float64 reference. Rows to $OUT/tp_head.jsonl (each with machine, versions, commit), plot $OUT/tp_head.png.
+float64 reference. Rows to $OUT/tp_head.jsonl (each with machine, versions, commit), plot $OUT/tp_head.png
+(``--plot ROWS.jsonl [PNG]`` redraws one from saved rows).
 
     torchrun --nproc_per_node 2 benchmarks/bench_tp_head.py [--tokens 4096,16384] [--impls ...]
 
@@ -43,8 +44,10 @@ def _versions():
     import transformers
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    # FXFUSE_TREE: the tree's commit where the copy's git metadata is not the working tree's (the device machines)
+    commit = os.environ.get("FXFUSE_TREE") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     return dict(machine=torch.cuda.get_device_name() if CUDA else "cpu", gpus=dist.get_world_size(), torch=torch.__version__,
                 triton=triton.__version__, transformers=transformers.__version__, commit=commit)
 
@@ -227,4 +230,12 @@ def _plot(rows):
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--plot"]:
+        rows = [json.loads(line) for line in open(sys.argv[2])]
+        call = max(r.get("call", 0) for r in rows)
+        OUT = os.path.dirname(sys.argv[3]) if len(sys.argv) > 3 else OUT
+        _plot([r for r in rows if r.get("call", 0) == call])
+        if len(sys.argv) > 3:
+            os.replace(os.path.join(OUT, "tp_head.png"), sys.argv[3])
+    else:
+        main()
