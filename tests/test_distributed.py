@@ -63,7 +63,8 @@ def _eager_losses(lora):
 
 def _worker(rank, world, port, case, result_path):
     sys.path.insert(0, HERE)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
+                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     import torch.distributed as dist
     # What the ranks use is imported before the group exists: torch.distributed.nn.functional (which FSDP2 imports)
     # binds the default group of the moment of its import as default arguments; imported after init_process_group
@@ -175,8 +176,10 @@ def _train_tp(rank, world, case):
     the sharded weight, a tanh softcap, ``loss_parallel()``; ``tp_gathered`` the logits gathered
     (``output_layouts=Replicate()``, local output: HF's ``colwise_rep``) into a plain cross-entropy;
     ``tp_local_slice`` each rank's local slice of the logits into a plain cross-entropy (a per-rank loss over part
-    of the vocabulary: eager's semantics, which a vocabulary-parallel loss would change). Returns the losses, the
-    lm-head's and the embeddings' gradients of both, the loss pass's sites and the fxfuse ops that ran."""
+    of the vocabulary: eager's semantics, which a vocabulary-parallel loss would change); ``tp_hf_plan`` the whole
+    model under transformers' own tensor-parallel plan (``from_pretrained(tp_plan="auto")``: its lm-head gathers
+    the logits) and its loss (``labels=``), compiled whole. Returns the losses, the lm-head's and the embeddings'
+    gradients of both, the loss pass's sites and the fxfuse ops that ran."""
     import contextlib
 
     import torch.nn.functional as F
@@ -196,13 +199,31 @@ def _train_tp(rank, world, case):
              "tp_local_slice": ColwiseParallel(output_layouts=Shard(-1))}.get(
         case, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     parallel_loss = loss_parallel if case in ("tp_loss_parallel", "tp_linear_softcap") else contextlib.nullcontext
+    saved = [None]
+    if case == "tp_hf_plan":  # a checkpoint for from_pretrained, written by rank 0
+        import tempfile
+
+        import torch.distributed as dist
+
+        if rank == 0:
+            saved[0] = tempfile.mkdtemp(prefix="fxfuse-tp-")
+            tiny_causal_lm("llama", attn_implementation="sdpa", vocab_size=127).save_pretrained(saved[0])
+        dist.broadcast_object_list(saved, src=0)
     out = {}
     for mode in ("eager", "fxfuse"):
         torch.manual_seed(0)
-        m = tiny_causal_lm("llama", attn_implementation="sdpa", vocab_size=127)
-        parallelize_module(m, mesh, {"lm_head": style})
+        if case == "tp_hf_plan":
+            import transformers as tf
+
+            m = tf.AutoModelForCausalLM.from_pretrained(saved[0], tp_plan="auto", dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+        else:
+            m = tiny_causal_lm("llama", attn_implementation="sdpa", vocab_size=127)
+            parallelize_module(m, mesh, {"lm_head": style})
 
         def step(ids, labels):
+            if case == "tp_hf_plan":
+                return m(input_ids=ids, labels=labels, use_cache=False).loss
             h = m.model(input_ids=ids, use_cache=False).last_hidden_state
             if case == "tp_linear_softcap":
                 h = DTensor.from_local(h, mesh, [Replicate()], run_check=False, shape=h.shape, stride=h.stride())
@@ -217,10 +238,14 @@ def _train_tp(rank, world, case):
                 loss = fn(ids, labels)
                 loss.backward()
         loss = loss.detach()
-        out[mode] = {"loss": float(loss.full_tensor() if isinstance(loss, DTensor) else loss),
-                     "loss_is_dtensor": isinstance(loss, DTensor),
-                     "grad": m.lm_head.weight.grad.full_tensor().tolist(),
-                     "embed_grad": m.model.embed_tokens.weight.grad.tolist(),
+        def full(t):
+            return t.full_tensor() if isinstance(t, DTensor) else t
+
+        out[mode] = {"loss": float(full(loss)), "loss_is_dtensor": isinstance(loss, DTensor),
+                     "head_split": isinstance(m.lm_head.weight, DTensor)
+                     and m.lm_head.weight.to_local().shape[0] < m.lm_head.weight.shape[0],
+                     "grad": full(m.lm_head.weight.grad).tolist(),
+                     "embed_grad": full(m.model.embed_tokens.weight.grad).tolist(),
                      "ops": sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")})}
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
              if r.pass_name == "linear_cross_entropy"]
@@ -400,6 +425,7 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     ("tp_linear_softcap", "fused", ""),
     ("tp_gathered", "fused", ""),       # the logits' all-gather gone
     ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
+    ("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
 ])
 def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, status, why, tmp_path):
     """Under tensor parallelism the lm-head loss runs as the vocabulary-parallel op on each rank's weight shard and
@@ -411,11 +437,12 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
     fx, ea = got["fxfuse"], got["eager"]
     assert fx["loss"] == pytest.approx(ea["loss"], rel=1e-5)
     assert fx["loss_is_dtensor"] == ea["loss_is_dtensor"]
+    assert fx["head_split"] and ea["head_split"]  # the lm-head really is split over the vocabulary
     for g in ("grad", "embed_grad"):
         torch.testing.assert_close(torch.tensor(fx[g]), torch.tensor(ea[g]), rtol=1e-4, atol=1e-6)
     assert got["lce_sites"] and all(st == status and why in reason for st, reason in got["lce_sites"]), got["lce_sites"]
     ran = any(o.startswith("fxfuse::vocab_parallel_cross_entropy") for o in fx["ops"])
-    assert ran == (status == "fused"), fx["ops"]
+    assert ran == (status == "fused"), (fx["ops"], got["lce_sites"])
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():
