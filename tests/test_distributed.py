@@ -178,7 +178,9 @@ def _train_tp(rank, world, case):
     ``tp_local_slice`` each rank's local slice of the logits into a plain cross-entropy (a per-rank loss over part
     of the vocabulary: eager's semantics, which a vocabulary-parallel loss would change); ``tp_hf_plan`` the whole
     model under transformers' own tensor-parallel plan (``from_pretrained(tp_plan="auto")``: its lm-head gathers
-    the logits) and its loss (``labels=``), compiled whole. Returns the losses, the lm-head's and the embeddings'
+    the logits) and its loss (``labels=``), compiled whole; ``tp_fsdp2_regions`` four ranks, a 2 x 2 (data, tensor)
+    mesh: the lm-head split over the vocabulary on the tensor dim, FSDP2 over the data dim (each data rank its own
+    rows), ``compile_regions`` and the model's loss. Returns the losses, the lm-head's and the embeddings'
     gradients of both, the loss pass's sites and the fxfuse ops that ran."""
     import contextlib
 
@@ -189,13 +191,20 @@ def _train_tp(rank, world, case):
 
     import fxfuse
 
-    mesh = init_device_mesh("cpu", (world,))
     ids = _global_batch()[0] % 127
+    if case == "tp_fsdp2_regions":
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        mesh = mesh2["tp"]
+        dp = mesh2["dp"].get_local_rank()
+        ids = ids[dp * 2:(dp + 1) * 2]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     labels = torch.roll(ids, -1, 1)
     labels[:, :3] = -100
     if case == "tp_local_slice":
         labels = labels.where(labels < 0, labels % 60)  # classes every rank's slice holds
     style = {"tp_gathered": ColwiseParallel(output_layouts=Replicate()),
+             "tp_fsdp2_regions": ColwiseParallel(output_layouts=Replicate()),
              "tp_local_slice": ColwiseParallel(output_layouts=Shard(-1))}.get(
         case, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     parallel_loss = loss_parallel if case in ("tp_loss_parallel", "tp_linear_softcap") else contextlib.nullcontext
@@ -220,9 +229,19 @@ def _train_tp(rank, world, case):
         else:
             m = tiny_causal_lm("llama", attn_implementation="sdpa", vocab_size=127)
             parallelize_module(m, mesh, {"lm_head": style})
+        if case == "tp_fsdp2_regions":
+            from torch.distributed.fsdp import fully_shard
+
+            from fxfuse.regions import compile_regions
+
+            if mode == "fxfuse":
+                compile_regions(m, compiler="aot_eager")
+            for layer in m.model.layers:
+                fully_shard(layer, mesh=mesh2["dp"])
+            fully_shard(m, mesh=mesh2["dp"])
 
         def step(ids, labels):
-            if case == "tp_hf_plan":
+            if case in ("tp_hf_plan", "tp_fsdp2_regions"):
                 return m(input_ids=ids, labels=labels, use_cache=False).loss
             h = m.model(input_ids=ids, use_cache=False).last_hidden_state
             if case == "tp_linear_softcap":
@@ -232,7 +251,8 @@ def _train_tp(rank, world, case):
                 logits = m.lm_head(h)
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-        fn = step if mode == "eager" else torch.compile(step, backend="fxfuse", options=AOT)
+        fn = step if mode == "eager" or case == "tp_fsdp2_regions" else torch.compile(step, backend="fxfuse",
+                                                                                     options=AOT)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with parallel_loss():
                 loss = fn(ids, labels)
@@ -421,18 +441,20 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
 
 
 @pytest.mark.parametrize("case,status,why", [
-    ("tp_loss_parallel", "fused", ""),  # fxfuse::vocab_parallel_cross_entropy, the loss a DTensor again
+    ("tp_fsdp2_regions", "fused", ""),  # FSDP2 x TP on four ranks, compile_regions  # fxfuse::vocab_parallel_cross_entropy, the loss a DTensor again
     ("tp_linear_softcap", "fused", ""),
     ("tp_gathered", "fused", ""),       # the logits' all-gather gone
     ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
     ("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
+    ("tp_loss_parallel", "fused", ""),
 ])
 def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, status, why, tmp_path):
     """Under tensor parallelism the lm-head loss runs as the vocabulary-parallel op on each rank's weight shard and
     gives eager DTensor's loss, lm-head gradient and hidden-state gradient (through the embeddings); a loss that
     reads only a rank's slice of the vocabulary is left alone, with the reason in the report."""
     result = tmp_path / "result.json"
-    _spawn(_worker, (2, _free_port(), case, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
+    world = 4 if case == "tp_fsdp2_regions" else 2
+    _spawn(_worker, (world, _free_port(), case, str(result)), nprocs=world, timeout=RANK_TIMEOUT_S)
     got = json.loads(result.read_text())
     fx, ea = got["fxfuse"], got["eager"]
     assert fx["loss"] == pytest.approx(ea["loss"], rel=1e-5)

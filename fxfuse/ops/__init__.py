@@ -6,6 +6,8 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 
 * :func:`linear_cross_entropy` — ``cross_entropy(f(hidden @ weight.T + bias), target)`` without materialising
   the logits (``f``: optional scale and tanh softcap).
+* :func:`vocab_parallel_cross_entropy` — the same loss where each rank of a process group holds a slice of the
+  weight's vocabulary rows (tensor parallelism): the ranks combine per-row statistics, no rank holds logits.
 * :func:`linear_log_probs` — per-token ``log_softmax(z)[index]`` and optional entropy of
   ``z = softcap(hidden @ weight.T + bias) / temperature`` (RL / preference losses), arbitrary per-token upstream
   gradients, logits never materialised.
@@ -19,7 +21,9 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 from .linear_cross_entropy import linear_cross_entropy
 from .linear_log_probs import linear_log_probs
 from .lora_linear import lora_linear
+from .vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from fxfuse.attention.op import document_ranges, softcap_attention
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention"]  # the fused ops
+__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention",
+           "vocab_parallel_cross_entropy"]  # the fused ops
 # document_ranges (also importable from here) is the helper that builds softcap_attention's doc_ranges
