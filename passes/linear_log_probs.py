@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
+import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (torch.ops.fxfuse.vocab_parallel_cross_entropy)
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
@@ -203,6 +204,8 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
     if chain.weight_transposed:
         ctx.skipped(site.anchor, what, "projection by a [D, V] matrix (not an lm-head weight)")
         return False
+    if chain.vocab_split is not None:
+        return _rewrite_vocab_parallel(gm, site, chain, what, ctx)
     scal, why = _op_scalars(chain)
     if scal is None:
         ctx.skipped(site.anchor, what, why)
@@ -255,6 +258,59 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
           f"(temperature {temperature:g}{', softcap ' + format(softcap, 'g') if softcap else ''})")
     ctx.fused(fused, op, saved_bytes=saved, temperature=temperature, softcap=softcap, entropy=entropy,
               tokens_x_vocab=numel_hint(node_val(site.z)), logits_still_materialised=still)
+    return True
+
+
+#: the vocabulary-parallel cross-entropy's ignore_index where every row is a real token: no index can take it (a
+#: -100 among the indices is then out of range, as for the gather, not a silently ignored row)
+_NO_IGNORE = -(2 ** 62)
+
+
+def _rewrite_vocab_parallel(gm: fx.GraphModule, site: _Site, chain: LogitChain, what: str, ctx) -> bool:
+    """Log-probs of a vocabulary-sharded DTensor lm-head (tensor parallelism): ``logp = -nll``, the per-token loss
+    of ``fxfuse::vocab_parallel_cross_entropy`` (reduction "none": any per-token upstream gradient) on the local
+    shards. The entropy needs one more combined statistic per row: not fused yet."""
+    from torch.distributed.tensor import DTensor
+
+    if site.entropy_out is not None:
+        ctx.skipped(site.anchor, what, "an entropy over a vocabulary-sharded lm-head is not fused")
+        return False
+    if chain.bias is not None:
+        ctx.skipped(site.anchor, what, "vocabulary-sharded lm-head with a bias")
+        return False
+    if any(isinstance(node_val(n), DTensor) for n in (site.logp_out, site.idx)):
+        ctx.skipped(site.anchor, what, "log-probs taken on the sharded logits (DTensor outputs)")
+        return False
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    if any(order[i] >= order[site.logp_out] for i in (chain.hidden, chain.weight, site.idx)):
+        ctx.skipped(site.anchor, what, "the gather index is computed after the outputs it would replace")
+        return False
+    split = chain.vocab_split
+    with g.inserting_before(site.logp_out):
+        h = chain.hidden
+        for ri in chain.row_index:
+            h = g.call_function(operator.getitem, (h, ri))
+        h = g.call_method("to_local", (h,))
+        w = g.call_method("to_local", (chain.weight,))
+        index = g.call_method("squeeze", (site.idx, -1))
+        nll = g.call_function(torch.ops.fxfuse.vocab_parallel_cross_entropy.default,
+                              (h, w, index, split.vocab_size, split.group_name, _NO_IGNORE, "none",
+                               float(chain.softcap), float(chain.scale), chunk_bytes_option(ctx)))
+        copy_node_meta(nll, site.anchor)
+        new = g.call_method("view_as", (g.call_function(operator.neg, (nll,)),
+                                        site.idx if site.logp_keepdim else index))
+        if node_val(site.logp_out).dtype != torch.float32:
+            new = g.call_method("to", (new, node_val(site.logp_out).dtype))
+    site.logp_out.replace_all_uses_with(new)
+    for n in site.erase:
+        g.erase_node(n)
+    dead = erase_unused(g, chain.nodes)
+    ctx.fused(nll, f"{what} <- {op_kind(chain.projection)} over a vocabulary split between ranks (tensor "
+                   f"parallelism): -vocab_parallel_cross_entropy", saved_bytes=numel_hint(node_val(site.z)) * 4
+              // node_val(chain.weight).device_mesh.size(), vocab_parallel=True, group=split.group_name,
+              tokens_x_vocab=numel_hint(node_val(site.z)),
+              logits_still_materialised=[n.name for n in chain.nodes if n not in dead])
     return True
 
 

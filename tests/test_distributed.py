@@ -180,7 +180,9 @@ def _train_tp(rank, world, case):
     model under transformers' own tensor-parallel plan (``from_pretrained(tp_plan="auto")``: its lm-head gathers
     the logits) and its loss (``labels=``), compiled whole; ``tp_fsdp2_regions`` four ranks, a 2 x 2 (data, tensor)
     mesh: the lm-head split over the vocabulary on the tensor dim, FSDP2 over the data dim (each data rank its own
-    rows), ``compile_regions`` and the model's loss. Returns the losses, the lm-head's and the embeddings'
+    rows), ``compile_regions`` and the model's loss; ``tp_log_probs`` a gathered head's per-token log-probs
+    (``log_softmax(...).gather``) in a GRPO-like weighted sum, ``tp_log_probs_entropy`` the same plus an entropy
+    bonus (not fused yet: the reason in the report). Returns the losses, the lm-head's and the embeddings'
     gradients of both, the loss pass's sites and the fxfuse ops that ran."""
     import contextlib
 
@@ -204,6 +206,8 @@ def _train_tp(rank, world, case):
     if case == "tp_local_slice":
         labels = labels.where(labels < 0, labels % 60)  # classes every rank's slice holds
     style = {"tp_gathered": ColwiseParallel(output_layouts=Replicate()),
+             "tp_log_probs": ColwiseParallel(output_layouts=Replicate()),
+             "tp_log_probs_entropy": ColwiseParallel(output_layouts=Replicate()),
              "tp_fsdp2_regions": ColwiseParallel(output_layouts=Replicate()),
              "tp_local_slice": ColwiseParallel(output_layouts=Shard(-1))}.get(
         case, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
@@ -244,6 +248,14 @@ def _train_tp(rank, world, case):
             if case in ("tp_hf_plan", "tp_fsdp2_regions"):
                 return m(input_ids=ids, labels=labels, use_cache=False).loss
             h = m.model(input_ids=ids, use_cache=False).last_hidden_state
+            if case.startswith("tp_log_probs"):  # RL: per-token log-probs of the sampled tokens, weighted
+                lp = torch.log_softmax(m.lm_head(h).float() / 0.7, -1)
+                logp = lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+                adv = torch.linspace(-1.0, 1.0, logp.numel()).view_as(logp)
+                loss = -(logp * adv).mean()
+                if case == "tp_log_probs_entropy":
+                    loss = loss - 0.01 * (-(lp.exp() * lp).sum(-1)).mean()
+                return loss
             if case == "tp_linear_softcap":
                 h = DTensor.from_local(h, mesh, [Replicate()], run_check=False, shape=h.shape, stride=h.stride())
                 logits = torch.tanh(F.linear(h, m.lm_head.weight) / 3.0) * 3.0
@@ -268,7 +280,7 @@ def _train_tp(rank, world, case):
                      "embed_grad": full(m.model.embed_tokens.weight.grad).tolist(),
                      "ops": sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")})}
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
-             if r.pass_name == "linear_cross_entropy"]
+             if r.pass_name == ("linear_log_probs" if case.startswith("tp_log_probs") else "linear_cross_entropy")]
     return {**out, "lce_sites": sites}
 
 
@@ -447,6 +459,8 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
     ("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
     ("tp_loss_parallel", "fused", ""),
+    ("tp_log_probs", "fused", ""),      # -vocab_parallel_cross_entropy(reduction="none")
+    ("tp_log_probs_entropy", "skipped", "entropy"),
 ])
 def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, status, why, tmp_path):
     """Under tensor parallelism the lm-head loss runs as the vocabulary-parallel op on each rank's weight shard and
