@@ -5,6 +5,8 @@ for ``--help``; an unknown one prints a short usage and exits 2 (argparse's conv
 """
 from __future__ import annotations
 
+import contextlib
+
 import glob
 import json
 import os
@@ -95,11 +97,29 @@ def _smoke_inputs(name: str, device: str):
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {}
     if name == "linear_log_probs":
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {}
+    if name == "vocab_parallel_cross_entropy":  # one rank holding the whole vocabulary (see _process_group)
+        return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {"vocab_size": 16}
     if name == "lora_linear":
         return (rnd(6, 8), rnd(12, 8), rnd(2, 8), rnd(12, 2), 0.5), {}
     if name == "softcap_attention":
         return (rnd(1, 2, 4, 8), rnd(1, 2, 4, 8), rnd(1, 2, 4, 8)), {"causal": True}
     return None
+
+
+@contextlib.contextmanager
+def _process_group():
+    """A process group for the sample call of an op that runs collectives: the default one if the program has one,
+    else a one-rank gloo group in this process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _launched_kernels(module, JITFunction) -> List[str]:
@@ -152,18 +172,20 @@ def _op_rows() -> List[Tuple[str, str, str]]:
             cpu = "not checked (no sample call)"
         else:
             try:
-                out = fn(*call[0], **call[1])
-                out = out[0] if isinstance(out, tuple) else out
-                out.float().sum().backward()
+                with _process_group() if name == "vocab_parallel_cross_entropy" else contextlib.nullcontext():
+                    out = fn(*call[0], **call[1])
+                    out = out[0] if isinstance(out, tuple) else out
+                    out.float().sum().backward()
                 cpu = "yes (PyTorch path: forward + backward ran)"
             except Exception as e:
                 cpu = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:120]
         if torch.cuda.is_available() and call is not None:
             try:
                 gcall = _smoke_inputs(name, "cuda")
-                out = fn(*gcall[0], **gcall[1])
-                (out[0] if isinstance(out, tuple) else out).float().sum().backward()
-                torch.cuda.synchronize()
+                with _process_group() if name == "vocab_parallel_cross_entropy" else contextlib.nullcontext():
+                    out = fn(*gcall[0], **gcall[1])
+                    (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+                    torch.cuda.synchronize()
                 gpu += ", ran here"
             except Exception as e:
                 gpu += f", FAILED here: {type(e).__name__}"

@@ -140,8 +140,10 @@ def _weight_of_matmul(n: fx.Node) -> Tuple[Optional[fx.Node], bool]:
 
 
 def _is_dtensor(v) -> bool:
-    from torch.distributed.tensor import DTensor
-
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without torch.distributed: no DTensor to meet
+        return False
     return isinstance(v, DTensor)
 
 

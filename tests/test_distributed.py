@@ -278,7 +278,10 @@ def _train_tp(rank, world, case):
                      and m.lm_head.weight.to_local().shape[0] < m.lm_head.weight.shape[0],
                      "grad": full(m.lm_head.weight.grad).tolist(),
                      "embed_grad": full(m.model.embed_tokens.weight.grad).tolist(),
-                     "ops": sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")})}
+                     "ops": sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")}),
+                     # all-gathers that ran (gloo's own events: Dynamo's and AOT's tracing in the first call also
+                     # dispatches the functional collectives, on fake tensors)
+                     "gathers": sorted({e.name for e in prof.events() if e.name.startswith("gloo:all_gather")})}
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
              if r.pass_name == ("linear_log_probs" if case.startswith("tp_log_probs") else "linear_cross_entropy")]
     return {**out, "lce_sites": sites}
@@ -479,6 +482,8 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
     assert got["lce_sites"] and all(st == status and why in reason for st, reason in got["lce_sites"]), got["lce_sites"]
     ran = any(o.startswith("fxfuse::vocab_parallel_cross_entropy") for o in fx["ops"])
     assert ran == (status == "fused"), (fx["ops"], got["lce_sites"])
+    if case in ("tp_gathered", "tp_log_probs"):  # the step returns no logits: their all-gather is gone
+        assert ea["gathers"] and not fx["gathers"], (ea["gathers"], fx["gathers"])
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():
