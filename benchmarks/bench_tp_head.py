@@ -37,6 +37,7 @@ OUT = os.environ.get("OUT", "/tmp")
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 V, D = 128256, 4096  # --vocab, --hidden
+LOSS = "ce"  # --loss
 IMPLS = [f"{c}-{layout}" for layout in ("gathered", "loss_parallel") for c in ("eager", "inductor", "fxfuse")]
 
 
@@ -66,11 +67,15 @@ def _head(mesh, layout, seed=0):
     return m
 
 
-def _step_fn(m, impl):
+def _step_fn(m, impl, loss="ce"):
     compiler, layout = impl.split("-", 1)
 
     def step(h, y):
         logits = m(h)
+        if loss == "logp":  # RL: the sampled tokens' log-probs at a temperature, advantage-weighted
+            logp = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            adv = torch.linspace(-1.0, 1.0, logp.numel(), device=logp.device)
+            return -(logp * adv).mean()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     if compiler == "inductor":
@@ -126,7 +131,11 @@ def _reference(m, h, y):
 
     w = m[0].weight.full_tensor() if isinstance(m[0].weight, DTensor) else m[0].weight
     hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    loss = F.cross_entropy((hd @ wd.T), y.reshape(-1))
+    if LOSS == "logp":
+        logp = torch.log_softmax((hd @ wd.T) / 0.7, -1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        loss = -(logp * torch.linspace(-1.0, 1.0, logp.numel(), device=logp.device, dtype=logp.dtype)).mean()
+    else:
+        loss = F.cross_entropy((hd @ wd.T), y.reshape(-1))
     loss.backward()
     return loss.detach(), hd.grad, wd.grad
 
@@ -135,10 +144,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--loss", default="ce", choices=("ce", "logp"),
+                    help="ce: mean cross-entropy; logp: RL log-probs of the sampled tokens (gathered impls only)")
     ap.add_argument("--vocab", type=int, default=V)
     ap.add_argument("--hidden", type=int, default=D)
     a = ap.parse_args()
-    globals().update(V=a.vocab, D=a.hidden)
+    globals().update(V=a.vocab, D=a.hidden, LOSS=a.loss)
     dist.init_process_group("nccl" if CUDA else "gloo")
     rank = dist.get_rank()
     if CUDA:
@@ -160,8 +171,8 @@ def main():
         ref = None
         for impl in a.impls.split(","):
             m = _head(mesh, impl.split("-", 1)[1])
-            step, ctx = _step_fn(m, impl)
-            row = dict(bench="tp_head", impl=impl, tokens=n, vocab=V, hidden=D, dtype="bf16", **info)
+            step, ctx = _step_fn(m, impl, a.loss)
+            row = dict(bench="tp_head", objective=a.loss, impl=impl, tokens=n, vocab=V, hidden=D, dtype="bf16", **info)
             try:
                 ms, peak, ts = _time(m, step, ctx, h, y)
                 row.update(ms=round(ms, 3), peak_gib=round(peak, 3), ms_all=[round(t, 3) for t in ts])
@@ -185,7 +196,8 @@ def main():
                     h.grad = None
                 if impl.startswith("fxfuse"):
                     row["fused"] = [f"{r.pass_name}: {r.status} {r.reason[:100]}" for rep in fxfuse.reports()
-                                    for r in rep.records if r.pass_name == "linear_cross_entropy"][-1:]
+                                    for r in rep.records if r.pass_name in ("linear_cross_entropy",
+                                                                            "linear_log_probs")][-1:]
             except Exception as e:  # noqa: BLE001  (a row that fails is reported, the others still run)
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if rank == 0:
