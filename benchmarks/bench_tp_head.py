@@ -225,17 +225,19 @@ def _plot(rows):
         return
     ok = [r for r in rows if "ms" in r]
     tokens = sorted({r["tokens"] for r in ok})
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in ok)]  # the impls this run measured
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, label in ((axes[0], "ms", "fwd+bwd ms"), (axes[1], "peak_gib", "peak GiB above inputs (rank 0)")):
-        width = 0.8 / max(1, len(IMPLS))
-        for i, impl in enumerate(IMPLS):
+        width = 0.8 / max(1, len(impls))
+        for i, impl in enumerate(impls):
             vals = [next((r[key] for r in ok if r["impl"] == impl and r["tokens"] == t), 0) for t in tokens]
             ax.bar([j + i * width for j in range(len(tokens))], vals, width, label=impl)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tokens))], [f"{t} tokens" for t in tokens])
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7)
     r0 = ok[0] if ok else {}
-    fig.suptitle(f"Llama-3-8B lm-head loss, vocabulary split over {r0.get('gpus')} x {r0.get('machine')} "
+    what = "RL log-probs" if r0.get("objective") == "logp" else "lm-head loss"
+    fig.suptitle(f"Llama-3-8B {what}, vocabulary split over {r0.get('gpus')} x {r0.get('machine')} "
                  f"(torch {r0.get('torch')}, {r0.get('commit')})", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(OUT, "tp_head.png"), dpi=110)
