@@ -270,10 +270,20 @@ def _train_tp(rank, world, case):
                 loss = fn(ids, labels)
                 loss.backward()
         loss = loss.detach()
+        lengths = []  # then a new length every batch (gradients accumulate alike in both modes)
+        frames = len(torch._dynamo.utils.get_compilation_metrics())
+        if case in ("tp_gathered", "tp_loss_parallel"):
+            for n in (13, 11, 9):
+                with parallel_loss():
+                    more = fn(ids[:, :n], labels[:, :n])
+                    more.backward()
+                lengths.append(float(more.full_tensor() if isinstance(more, DTensor) else more))
+
         def full(t):
             return t.full_tensor() if isinstance(t, DTensor) else t
 
-        out[mode] = {"loss": float(full(loss)), "loss_is_dtensor": isinstance(loss, DTensor),
+        out[mode] = {"loss": float(full(loss)), "loss_is_dtensor": isinstance(loss, DTensor), "lengths": lengths,
+                     "frames_after_lengths": len(torch._dynamo.utils.get_compilation_metrics()) - frames,
                      "head_split": isinstance(m.lm_head.weight, DTensor)
                      and m.lm_head.weight.to_local().shape[0] < m.lm_head.weight.shape[0],
                      "grad": full(m.lm_head.weight.grad).tolist(),
@@ -475,6 +485,11 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
     got = json.loads(result.read_text())
     fx, ea = got["fxfuse"], got["eager"]
     assert fx["loss"] == pytest.approx(ea["loss"], rel=1e-5)
+    assert fx["lengths"] == pytest.approx(ea["lengths"], rel=1e-5)
+    # three new lengths: one symbolic-length recompile, as plain torch.compile without tensor parallelism (Inductor
+    # and aot_eager themselves stop at the second length here on torch 2.13: a RecursionError in make_fx)
+    if fx["lengths"]:
+        assert fx["frames_after_lengths"] == 1, fx["frames_after_lengths"]
     assert fx["loss_is_dtensor"] == ea["loss_is_dtensor"]
     assert fx["head_split"] and ea["head_split"]  # the lm-head really is split over the vocabulary
     for g in ("grad", "embed_grad"):
