@@ -97,7 +97,7 @@ def _smoke_inputs(name: str, device: str):
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {}
     if name == "linear_log_probs":
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {}
-    if name == "vocab_parallel_cross_entropy":  # one rank holding the whole vocabulary (see _process_group)
+    if name == "vocab_parallel_cross_entropy":  # one rank holding the whole vocabulary (see _sample_context)
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {"vocab_size": 16}
     if name == "lora_linear":
         return (rnd(6, 8), rnd(12, 8), rnd(2, 8), rnd(12, 2), 0.5), {}
@@ -107,12 +107,12 @@ def _smoke_inputs(name: str, device: str):
 
 
 @contextlib.contextmanager
-def _process_group():
-    """A process group for the sample call of an op that runs collectives: the default one if the program has one,
-    else a one-rank gloo group in this process, destroyed afterwards."""
+def _sample_context(name: str):
+    """Where the sample call of op ``name`` runs: for an op that runs collectives, in the program's default process
+    group if it has one, else in a one-rank gloo group of this process, destroyed afterwards."""
     import torch.distributed as dist
 
-    if not dist.is_available() or dist.is_initialized():
+    if name != "vocab_parallel_cross_entropy" or not dist.is_available() or dist.is_initialized():
         yield
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -172,7 +172,7 @@ def _op_rows() -> List[Tuple[str, str, str]]:
             cpu = "not checked (no sample call)"
         else:
             try:
-                with _process_group() if name == "vocab_parallel_cross_entropy" else contextlib.nullcontext():
+                with _sample_context(name):
                     out = fn(*call[0], **call[1])
                     out = out[0] if isinstance(out, tuple) else out
                     out.float().sum().backward()
@@ -182,7 +182,7 @@ def _op_rows() -> List[Tuple[str, str, str]]:
         if torch.cuda.is_available() and call is not None:
             try:
                 gcall = _smoke_inputs(name, "cuda")
-                with _process_group() if name == "vocab_parallel_cross_entropy" else contextlib.nullcontext():
+                with _sample_context(name):
                     out = fn(*gcall[0], **gcall[1])
                     (out[0] if isinstance(out, tuple) else out).float().sum().backward()
                     torch.cuda.synchronize()

@@ -32,7 +32,7 @@ import torch.fx as fx
 from fxfuse.graph_utils import SHAPE_ONLY_KINDS, arg, const_number, known_true, node_val, op_kind
 from fxfuse.kernels import lm_head_rows
 
-__all__ = ["LogitChain", "VocabSplit", "match_logit_chain", "CHUNK_BYTES_OPTION", "chunk_bytes_option", "const_operand",
+__all__ = ["LogitChain", "VocabSplit", "insert_vocab_parallel_loss", "match_logit_chain", "CHUNK_BYTES_OPTION", "chunk_bytes_option", "const_operand",
            "is_last_dim"]
 
 
@@ -42,6 +42,7 @@ class VocabSplit:
     group_name: str
     vocab_size: int
     mesh: Any  # the weight's DeviceMesh (to rebuild a DTensor loss)
+    world: int  # ranks the vocabulary is split between
 
 
 @dataclass
@@ -175,7 +176,30 @@ def _vocab_split(h: fx.Node, w: fx.Node) -> Tuple[Optional[VocabSplit], str]:
         group_name = wv.device_mesh.get_group().group_name
     except Exception as e:  # noqa: BLE001  (a mesh Dynamo handed over without its process group)
         return None, f"the lm-head weight's device mesh gives no process group ({type(e).__name__}: {e})"
-    return VocabSplit(group_name, int(wv.shape[0]), wv.device_mesh), ""
+    return VocabSplit(group_name, int(wv.shape[0]), wv.device_mesh, wv.device_mesh.size()), ""
+
+
+def insert_vocab_parallel_loss(g: fx.Graph, chain: LogitChain, target: fx.Node, ignore_index: int, reduction: str,
+                               ctx) -> fx.Node:
+    """At ``g``'s insertion point: ``fxfuse::vocab_parallel_cross_entropy`` over the chain's local shards, i.e.
+    ``to_local`` of the hidden states (the chain's row index applied), of the lm-head weight and of the targets
+    where they are a DTensor; the chain's softcap and scale. For the passes that fuse a split lm-head."""
+    import operator
+
+    from torch.distributed.tensor import DTensor
+
+    import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (registers the op)
+
+    h = chain.hidden
+    for idx in chain.row_index:
+        h = g.call_function(operator.getitem, (h, idx))
+    h = g.call_method("to_local", (h,))
+    w = g.call_method("to_local", (chain.weight,))
+    t = g.call_method("to_local", (target,)) if isinstance(node_val(target), DTensor) else target
+    split = chain.vocab_split
+    return g.call_function(torch.ops.fxfuse.vocab_parallel_cross_entropy.default,
+                           (h, w, t, split.vocab_size, split.group_name, int(ignore_index), reduction,
+                            float(chain.softcap), float(chain.scale), chunk_bytes_option(ctx)))
 
 
 def match_logit_chain(consumer_input: fx.Node, float_only: bool = True) -> Tuple[Optional[LogitChain], str]:

@@ -41,14 +41,13 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
-import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (torch.ops.fxfuse.vocab_parallel_cross_entropy)
 from fxfuse.graph_utils import arg, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.lazy import LazyLogits
 from fxfuse.registry import register_pass
 from fxfuse.site_errors import target_source
 
 from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, const_operand,
-                           match_logit_chain)
+                           insert_vocab_parallel_loss, match_logit_chain)
 
 NAME = "linear_cross_entropy"
 _DEFAULTS = {"cross_entropy": dict(weight=None, size_average=None, reduce=None, ignore_index=-100,
@@ -268,16 +267,7 @@ def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, c
     g = gm.graph
     reduction = consts["reduction"]
     with g.inserting_before(node):
-        h = chain.hidden
-        for idx in chain.row_index:
-            h = g.call_function(__import__("operator").getitem, (h, idx))
-        h = g.call_method("to_local", (h,))
-        w = g.call_method("to_local", (chain.weight,))
-        t = g.call_method("to_local", (target,)) if isinstance(t_val, DTensor) else target
-        fused = g.call_function(
-            torch.ops.fxfuse.vocab_parallel_cross_entropy.default,
-            (h, w, t, split.vocab_size, split.group_name, int(consts["ignore_index"]), reduction,
-             float(chain.softcap), float(chain.scale), chunk_bytes_option(ctx)))
+        fused = insert_vocab_parallel_loss(g, chain, target, consts["ignore_index"], reduction, ctx)
         fused.meta["stack_trace"] = node.meta.get("stack_trace")
         fused.meta["nn_module_stack"] = node.meta.get("nn_module_stack")
         out = fused
@@ -295,10 +285,9 @@ def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, c
     still = [n for n in chain_nodes if n not in erased]
     rows_x_vocab = numel_hint(node_val(z))
     # at least each rank's fp32 slice of the softmax the loss saves (a gathered lm-head held the whole of it)
-    world = node_val(chain.weight).device_mesh.size()
     ctx.fused(fused, f"{kind} <- {op_kind(chain.projection)} over a vocabulary split between ranks "
                      f"(tensor parallelism; reduction {reduction})",
-              saved_bytes=rows_x_vocab * 4 // world, reduction=reduction, softcap=chain.softcap, scale=chain.scale,
+              saved_bytes=rows_x_vocab * 4 // split.world, reduction=reduction, softcap=chain.softcap, scale=chain.scale,
               ignore_index=int(consts["ignore_index"]), vocab_parallel=True, group=split.group_name,
               tokens_x_vocab=rows_x_vocab,
               logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still],

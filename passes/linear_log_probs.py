@@ -35,12 +35,11 @@ import torch
 import torch.fx as fx
 
 import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
-import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (torch.ops.fxfuse.vocab_parallel_cross_entropy)
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, is_last_dim,
-                           match_logit_chain)
+from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, insert_vocab_parallel_loss,
+                           is_last_dim, match_logit_chain)
 from ._row_loops import fold_row_loops
 
 NAME = "linear_log_probs"
@@ -275,9 +274,6 @@ def _rewrite_vocab_parallel(gm: fx.GraphModule, site: _Site, chain: LogitChain, 
     if site.entropy_out is not None:
         ctx.skipped(site.anchor, what, "an entropy over a vocabulary-sharded lm-head is not fused")
         return False
-    if chain.bias is not None:
-        ctx.skipped(site.anchor, what, "vocabulary-sharded lm-head with a bias")
-        return False
     if any(isinstance(node_val(n), DTensor) for n in (site.logp_out, site.idx)):
         ctx.skipped(site.anchor, what, "log-probs taken on the sharded logits (DTensor outputs)")
         return False
@@ -288,15 +284,8 @@ def _rewrite_vocab_parallel(gm: fx.GraphModule, site: _Site, chain: LogitChain, 
         return False
     split = chain.vocab_split
     with g.inserting_before(site.logp_out):
-        h = chain.hidden
-        for ri in chain.row_index:
-            h = g.call_function(operator.getitem, (h, ri))
-        h = g.call_method("to_local", (h,))
-        w = g.call_method("to_local", (chain.weight,))
         index = g.call_method("squeeze", (site.idx, -1))
-        nll = g.call_function(torch.ops.fxfuse.vocab_parallel_cross_entropy.default,
-                              (h, w, index, split.vocab_size, split.group_name, _NO_IGNORE, "none",
-                               float(chain.softcap), float(chain.scale), chunk_bytes_option(ctx)))
+        nll = insert_vocab_parallel_loss(g, chain, index, _NO_IGNORE, "none", ctx)
         copy_node_meta(nll, site.anchor)
         new = g.call_method("view_as", (g.call_function(operator.neg, (nll,)),
                                         site.idx if site.logp_keepdim else index))
@@ -307,8 +296,8 @@ def _rewrite_vocab_parallel(gm: fx.GraphModule, site: _Site, chain: LogitChain, 
         g.erase_node(n)
     dead = erase_unused(g, chain.nodes)
     ctx.fused(nll, f"{what} <- {op_kind(chain.projection)} over a vocabulary split between ranks (tensor "
-                   f"parallelism): -vocab_parallel_cross_entropy", saved_bytes=numel_hint(node_val(site.z)) * 4
-              // node_val(chain.weight).device_mesh.size(), vocab_parallel=True, group=split.group_name,
+                   f"parallelism): -vocab_parallel_cross_entropy",
+              saved_bytes=numel_hint(node_val(site.z)) * 4 // split.world, vocab_parallel=True, group=split.group_name,
               tokens_x_vocab=numel_hint(node_val(site.z)),
               logits_still_materialised=[n.name for n in chain.nodes if n not in dead])
     return True

@@ -438,9 +438,10 @@ def lce_forward_split_vocab(hidden, weight, local_target, ignore_index: int, red
 
     Chunk by chunk: the logits (one matmul), this rank's row statistics and target logits, then
     ``combine(mx, ls) -> (M, log_S)`` (the caller's collectives: the whole vocabulary's max and log S of the
-    chunk's rows; every rank cuts the same chunks, counted for ``chunk_vocab`` vocabulary rows), then the gradient over the chunk from those (the one-hot term only where the target is this
-    rank's) and the grad_hidden / grad_weight matmuls: three matmuls, as the one-rank op, where recomputing the
-    logits in the backward would take four. Returns (stats [2, N] fp32: M, log S; zy [N] fp32; grad_hidden [N, D]
+    chunk's rows; every rank cuts the same chunks, counted for ``chunk_vocab`` vocabulary rows), then the gradient
+    over the chunk from those (the one-hot term only where the target is this rank's) and the grad_hidden /
+    grad_weight matmuls: three matmuls, as the one-rank op, where recomputing the logits in the backward would take
+    four. Returns (stats [2, N] fp32: M, log S; zy [N] fp32; grad_hidden [N, D]
     fp32, this rank's part of the sum over the vocabulary; grad_weight [V_local, D])."""
     N = hidden.shape[0]
     rows = _rows_triton if use_triton(hidden, FORCE_TRITON) else _rows_torch

@@ -216,26 +216,23 @@ def row_stats_torch(z):
 
 
 # ================================================================================================ chunk loop
-def _addmm_fp32_(acc, a, b):
-    """acc += a @ b with an fp32 accumulator and low-precision operands (cuBLAS reads/writes acc in fp32)."""
-    if acc.is_cuda and a.dtype != torch.float32:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (RuntimeError, TypeError):  # torch without addmm(out_dtype=): upcast (slower, same numbers)
-            pass
-    acc.addmm_(a.float(), b.float())
-
-
-def _mm_fp32(a, b, out):
-    """out = a @ b into an fp32 ``out`` with low-precision operands (one rounding, at the end, by the caller)."""
+def _matmul_fp32_(out, a, b, accumulate: bool):
+    """``out (+)= a @ b`` into an fp32 ``out`` with low-precision operands: cuBLAS reads / writes ``out`` in fp32 (one
+    rounding, at the end, by the caller). ``accumulate``: add to ``out`` (the grad_weight accumulator) instead of
+    overwriting it (a partial grad_hidden that other ranks' are added to)."""
     if out.is_cuda and a.dtype != torch.float32:
         try:
-            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            if accumulate:
+                torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            else:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
             return
-        except (RuntimeError, TypeError):  # torch without mm(out_dtype=): upcast (slower, same numbers)
+        except (RuntimeError, TypeError):  # torch without (add)mm(out_dtype=): upcast (slower, same numbers)
             pass
-    torch.mm(a.float(), b.float(), out=out)
+    if accumulate:
+        out.addmm_(a.float(), b.float())
+    else:
+        torch.mm(a.float(), b.float(), out=out)
 
 
 def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk_bytes, write_grad,
@@ -279,12 +276,12 @@ def chunk_loop(hidden, weight, bias, rows_step, need_gh, need_gw, need_gb, chunk
                 continue
             if need_gh:
                 if gh.dtype != buf.dtype:
-                    _mm_fp32(buf, weight, gh[start:end])
+                    _matmul_fp32_(gh[start:end], buf, weight, accumulate=False)
                 else:
                     torch.mm(buf, weight, out=gh[start:end])
             if need_gw:
                 if gw32 is not None:
-                    _addmm_fp32_(gw32, buf.t(), h_c)
+                    _matmul_fp32_(gw32, buf.t(), h_c, accumulate=True)
                 elif start == 0:
                     torch.mm(buf.t(), h_c, out=gw)
                 else:
