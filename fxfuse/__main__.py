@@ -97,7 +97,7 @@ def _smoke_inputs(name: str, device: str):
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {}
     if name == "linear_log_probs":
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {}
-    if name == "vocab_parallel_cross_entropy":  # one rank holding the whole vocabulary (see _sample_context)
+    if name in _COLLECTIVE_OPS:  # one rank holding the whole vocabulary (see _sample_context)
         return (rnd(6, 8), rnd(16, 8), torch.randint(0, 16, (6,), generator=g).to(device)), {"vocab_size": 16}
     if name == "lora_linear":
         return (rnd(6, 8), rnd(12, 8), rnd(2, 8), rnd(12, 2), 0.5), {}
@@ -106,13 +106,17 @@ def _smoke_inputs(name: str, device: str):
     return None
 
 
+#: the public ops that run collectives (tensor parallelism): their sample calls need a process group
+_COLLECTIVE_OPS = ("vocab_parallel_cross_entropy", "vocab_parallel_log_probs")
+
+
 @contextlib.contextmanager
 def _sample_context(name: str):
     """Where the sample call of op ``name`` runs: for an op that runs collectives, in the program's default process
     group if it has one, else in a one-rank gloo group of this process, destroyed afterwards."""
     import torch.distributed as dist
 
-    if name != "vocab_parallel_cross_entropy" or not dist.is_available() or dist.is_initialized():
+    if name not in _COLLECTIVE_OPS or not dist.is_available() or dist.is_initialized():
         yield
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -179,16 +179,13 @@ def _vocab_split(h: fx.Node, w: fx.Node) -> Tuple[Optional[VocabSplit], str]:
     return VocabSplit(group_name, int(wv.shape[0]), wv.device_mesh, wv.device_mesh.size()), ""
 
 
-def insert_vocab_parallel_loss(g: fx.Graph, chain: LogitChain, target: fx.Node, ignore_index: int, reduction: str,
-                               ctx) -> fx.Node:
-    """At ``g``'s insertion point: ``fxfuse::vocab_parallel_cross_entropy`` over the chain's local shards, i.e.
-    ``to_local`` of the hidden states (the chain's row index applied), of the lm-head weight and of the targets
-    where they are a DTensor; the chain's softcap and scale. For the passes that fuse a split lm-head."""
+def local_operands(g: fx.Graph, chain: LogitChain, target: fx.Node) -> Tuple[fx.Node, fx.Node, fx.Node]:
+    """At ``g``'s insertion point: the local shards a split lm-head's fused op reads, i.e. ``to_local`` of the
+    hidden states (the chain's row index applied), of the lm-head weight and of the targets where they are a
+    DTensor."""
     import operator
 
     from torch.distributed.tensor import DTensor
-
-    import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (registers the op)
 
     h = chain.hidden
     for idx in chain.row_index:
@@ -196,6 +193,16 @@ def insert_vocab_parallel_loss(g: fx.Graph, chain: LogitChain, target: fx.Node, 
     h = g.call_method("to_local", (h,))
     w = g.call_method("to_local", (chain.weight,))
     t = g.call_method("to_local", (target,)) if isinstance(node_val(target), DTensor) else target
+    return h, w, t
+
+
+def insert_vocab_parallel_loss(g: fx.Graph, chain: LogitChain, target: fx.Node, ignore_index: int, reduction: str,
+                               ctx) -> fx.Node:
+    """At ``g``'s insertion point: ``fxfuse::vocab_parallel_cross_entropy`` over the chain's local shards
+    (:func:`local_operands`), the chain's softcap and scale. For the passes that fuse a split lm-head."""
+    import fxfuse.ops.vocab_parallel_cross_entropy  # noqa: F401  (registers the op)
+
+    h, w, t = local_operands(g, chain, target)
     split = chain.vocab_split
     return g.call_function(torch.ops.fxfuse.vocab_parallel_cross_entropy.default,
                            (h, w, t, split.vocab_size, split.group_name, int(ignore_index), reduction,

@@ -38,8 +38,8 @@ import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.li
 from fxfuse.graph_utils import arg, copy_node_meta, erase_unused, known_true, node_val, numel_hint, op_kind
 from fxfuse.registry import register_pass
 
-from ._logit_chain import (CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, insert_vocab_parallel_loss,
-                           is_last_dim, match_logit_chain)
+from ._logit_chain import CHUNK_BYTES_OPTION, LogitChain, chunk_bytes_option, is_last_dim, local_operands, \
+    match_logit_chain
 from ._row_loops import fold_row_loops
 
 NAME = "linear_log_probs"
@@ -260,45 +260,52 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
     return True
 
 
-#: the vocabulary-parallel cross-entropy's ignore_index where every row is a real token: no index can take it (a
-#: -100 among the indices is then out of range, as for the gather, not a silently ignored row)
-_NO_IGNORE = -(2 ** 62)
-
-
 def _rewrite_vocab_parallel(gm: fx.GraphModule, site: _Site, chain: LogitChain, what: str, ctx) -> bool:
-    """Log-probs of a vocabulary-sharded DTensor lm-head (tensor parallelism): ``logp = -nll``, the per-token loss
-    of ``fxfuse::vocab_parallel_cross_entropy`` (reduction "none": any per-token upstream gradient) on the local
-    shards. The entropy needs one more combined statistic per row: not fused yet."""
+    """Log-probs (and an entropy) of a vocabulary-sharded DTensor lm-head (tensor parallelism):
+    ``fxfuse::vocab_parallel_log_probs`` on the local shards, the ranks combining O(N) row statistics."""
+    import fxfuse.ops.vocab_parallel_log_probs  # noqa: F401  (registers the op)
     from torch.distributed.tensor import DTensor
 
-    if site.entropy_out is not None:
-        ctx.skipped(site.anchor, what, "an entropy over a vocabulary-sharded lm-head is not fused")
-        return False
-    if any(isinstance(node_val(n), DTensor) for n in (site.logp_out, site.idx)):
+    outs = [site.logp_out] + ([site.entropy_out] if site.entropy_out is not None else [])
+    if any(isinstance(node_val(n), DTensor) for n in outs + [site.idx]):
         ctx.skipped(site.anchor, what, "log-probs taken on the sharded logits (DTensor outputs)")
         return False
+    scal, why = _op_scalars(chain)
+    if scal is None:
+        ctx.skipped(site.anchor, what, why)
+        return False
+    temperature, softcap = scal
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
-    if any(order[i] >= order[site.logp_out] for i in (chain.hidden, chain.weight, site.idx)):
+    first = min(outs, key=order.__getitem__)
+    if any(order[i] >= order[first] for i in (chain.hidden, chain.weight, site.idx)):
         ctx.skipped(site.anchor, what, "the gather index is computed after the outputs it would replace")
         return False
     split = chain.vocab_split
-    with g.inserting_before(site.logp_out):
+    entropy = site.entropy_out is not None
+    with g.inserting_before(first):
         index = g.call_method("squeeze", (site.idx, -1))
-        nll = insert_vocab_parallel_loss(g, chain, index, _NO_IGNORE, "none", ctx)
-        copy_node_meta(nll, site.anchor)
-        new = g.call_method("view_as", (g.call_function(operator.neg, (nll,)),
-                                        site.idx if site.logp_keepdim else index))
-        if node_val(site.logp_out).dtype != torch.float32:
-            new = g.call_method("to", (new, node_val(site.logp_out).dtype))
-    site.logp_out.replace_all_uses_with(new)
+        h, w, t = local_operands(g, chain, index)
+        fused = g.call_function(torch.ops.fxfuse.vocab_parallel_log_probs.default,
+                                (h, w, t, split.vocab_size, split.group_name, float(temperature), float(softcap),
+                                 entropy, chunk_bytes_option(ctx)))
+        copy_node_meta(fused, site.anchor)
+        repl = []
+        for old, i, like in [(site.logp_out, 0, site.idx if site.logp_keepdim else index)] + \
+                ([(site.entropy_out, 1, index)] if entropy else []):
+            new = g.call_method("view_as", (g.call_function(operator.getitem, (fused, i)), like))
+            if node_val(old).dtype != torch.float32:
+                new = g.call_method("to", (new, node_val(old).dtype))
+            repl.append((old, new))
+    for old, new in repl:
+        old.replace_all_uses_with(new)
     for n in site.erase:
         g.erase_node(n)
     dead = erase_unused(g, chain.nodes)
-    ctx.fused(nll, f"{what} <- {op_kind(chain.projection)} over a vocabulary split between ranks (tensor "
-                   f"parallelism): -vocab_parallel_cross_entropy",
+    ctx.fused(fused, f"{what}{' + entropy' if entropy else ''} <- {op_kind(chain.projection)} over a vocabulary "
+                     f"split between ranks (tensor parallelism): vocab_parallel_log_probs",
               saved_bytes=numel_hint(node_val(site.z)) * 4 // split.world, vocab_parallel=True, group=split.group_name,
-              tokens_x_vocab=numel_hint(node_val(site.z)),
+              temperature=temperature, softcap=softcap, entropy=entropy, tokens_x_vocab=numel_hint(node_val(site.z)),
               logits_still_materialised=[n.name for n in chain.nodes if n not in dead])
     return True
 

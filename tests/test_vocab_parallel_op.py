@@ -1,10 +1,12 @@
-"""``fxfuse::vocab_parallel_cross_entropy`` on two gloo ranks (CPU): each rank holds its torch.chunk slice of a
-127-entry vocabulary (64 and 63 rows) and the same hidden states and targets. The loss and every gradient (hidden,
-the rank's weight slice) are compared with a float64 reference of the whole-vocabulary loss, next to eager's
-distance from it (the same formula in the input dtype): ragged rows, ignored rows, a peaked and a flat row, softcap
-and scale, several logits chunks, gradients formed in the forward ("mean") and recomputed in the backward ("sum",
-"none"), both row implementations (the PyTorch twin and the Triton kernel in the
-interpreter). The pass that inserts the op is tested in ``test_distributed.py`` (tensor-parallel cases).
+"""``fxfuse::vocab_parallel_cross_entropy`` and ``fxfuse::vocab_parallel_log_probs`` on two gloo ranks (CPU): each
+rank holds its torch.chunk slice of a 127-entry vocabulary (64 and 63 rows) and the same hidden states and targets.
+The loss (log-probs, entropy) and every gradient (hidden, the rank's weight slice) are compared with a float64
+reference over the whole vocabulary, next to eager's distance from it (the same formula in the input dtype) and the
+one-rank fused op's: ragged rows, ignored rows, a peaked and a flat row, softcap and scale (temperature), several
+logits chunks, gradients formed in the forward ("mean") and recomputed in the backward ("sum", "none", log-probs),
+per-token upstream gradients of the log-probs, of the entropy and of both, both row implementations (the PyTorch twin
+and the Triton kernel in the interpreter). The passes that insert the ops are tested in ``test_distributed.py``
+(tensor-parallel cases).
 
 Triton's interpreter rounds fp32 -> bf16 by truncation (1 + 2^-8 + 2^-10 becomes 1.0; the GPU's cvt.rn rounds to
 nearest), a biased error that sums up over a gradient's rows: the kernel path runs in fp32 here (its logic does not
@@ -122,6 +124,115 @@ def test_two_ranks_match_the_float64_whole_vocabulary_loss(path, tmp_path):
             # rounding of O(1) values
             assert f <= 2 * min(e, one) + 2e-6, (r["case"], what, f, e, one)
     assert "fxfuse::vocab_parallel_cross_entropy" in got["contract"] and "64" in got["contract"], got["contract"]
+
+
+def _logp_cases(path):
+    for dt in (torch.float32,) + ((torch.bfloat16,) if path == "torch" else ()):
+        for softcap, temperature in ((0.0, 1.0), (5.0, 0.7)):
+            for grads in ("logp", "entropy", "both"):
+                yield dt, softcap, temperature, grads
+
+
+def _logp_worker(rank, world, port, path, result_path):
+    sys.path.insert(0, HERE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if path == "triton":
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch.distributed as dist
+
+    from fxfuse.errors import FxFuseContractError
+    from fxfuse.kernels import linear_log_probs as K
+    from fxfuse.ops.linear_log_probs import linear_log_probs
+    from fxfuse.ops.vocab_parallel_log_probs import vocab_parallel_log_probs
+    from fxfuse.ops.vocab_parallel_cross_entropy import vocab_slice
+
+    K.FORCE_TRITON = path == "triton"
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = []
+    try:
+        start, length = vocab_slice(V, rank, world)
+        sl = slice(start, start + length)
+        for dt, softcap, temperature, grads in _logp_cases(path):
+            g = torch.Generator().manual_seed(2)
+            h = (torch.randn(N, D, generator=g) * 2).to(dt)
+            w = torch.randn(V, D, generator=g).to(dt)
+            h[0] = 0  # a flat row: uniform softmax, the largest entropy
+            w[7] *= 8
+            h[5] = w[7] / 100  # a peaked row (its index: class 7): log-prob -1.3e-6, entropy 2.5e-5 without softcap
+            t = torch.randint(0, V, (N,), generator=g)
+            t[5], t[6], t[8], t[9] = 7, V - 1, 64, 63  # the peaked class, the last class, either side of the split
+            gl = torch.randn(N, generator=g) if grads in ("logp", "both") else None
+            ge = torch.randn(N, generator=g) if grads in ("entropy", "both") else None
+            ref = K.logp_reference(h, w, t, None, temperature, softcap or None, gl, ge)
+
+            def backward(logp, ent):
+                loss = 0.0
+                if gl is not None:
+                    loss = loss + (gl * logp.float()).sum()
+                if ge is not None:
+                    loss = loss + (ge * ent.float()).sum()
+                loss.backward()
+
+            he, we = h.clone().requires_grad_(), w.clone().requires_grad_()  # eager, input dtype, whole vocabulary
+            z = (he @ we.T).float()
+            if softcap:
+                z = torch.tanh(z / softcap) * softcap
+            lsm = torch.log_softmax(z / temperature, -1)
+            le, ee = lsm.gather(-1, t[:, None]).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
+            backward(le, ee)
+            hf, wf = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
+            lf, ef = vocab_parallel_log_probs(hf, wf, t, vocab_size=V, temperature=temperature,
+                                              softcap=softcap or None, return_entropy=True, chunk_bytes=CHUNK_BYTES)
+            backward(lf, ef)
+            h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()  # the one-rank op, same row path
+            l1, e1 = linear_log_probs(h1, w1, t, temperature=temperature, softcap=softcap or None,
+                                      return_entropy=True, chunk_bytes=CHUNK_BYTES)
+            backward(l1, e1)
+
+            def err(a, b):
+                return (a.detach().double() - b.double()).abs().max().item()
+
+            rows.append({"case": f"{dt} softcap={softcap} temperature={temperature} grads of {grads}",
+                         "fxfuse": [err(lf, ref[0]), err(ef, ref[1]), err(hf.grad, ref[2]), err(wf.grad, ref[3][sl])],
+                         "eager": [err(le, ref[0]), err(ee, ref[1]), err(he.grad, ref[2]), err(we.grad[sl], ref[3][sl])],
+                         "one_rank": [err(l1, ref[0]), err(e1, ref[1]), err(h1.grad, ref[2]),
+                                      err(w1.grad[sl], ref[3][sl])]})
+            both = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(both, torch.stack([lf.detach().double().sum(), ef.detach().double().sum()]))
+            rows[-1]["same_on_ranks"] = bool(torch.equal(both[0], both[1]))
+            # the peaked row: its log-prob and entropy keep their relative precision (~1e-5 and below, not ~1e-7
+            # absolute lost to an lse)
+            rows[-1]["peaked"] = [lf[5].item(), ref[0][5].item(), ef[5].item(), ref[1][5].item()]
+        try:  # an index outside the vocabulary
+            vocab_parallel_log_probs(h, w[sl], torch.full((N,), V), vocab_size=V)
+            contract = ""
+        except FxFuseContractError as e:
+            contract = str(e)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump({"rows": rows, "contract": contract}, f)
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_two_ranks_log_probs_and_entropy_match_the_float64_whole_vocabulary(path, tmp_path):
+    if path == "triton":
+        pytest.importorskip("triton")
+    result = tmp_path / "result.json"
+    _spawn(_logp_worker, (2, _free_port(), path, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
+    got = json.loads(result.read_text())
+    assert len(got["rows"]) == len(list(_logp_cases(path)))
+    for r in got["rows"]:
+        assert r["same_on_ranks"], r
+        for what, f, e, one in zip(("log-probs", "entropy", "grad hidden", "grad weight"), r["fxfuse"], r["eager"],
+                                   r["one_rank"]):
+            assert f <= 2 * min(e, one) + 2e-6, (r["case"], what, f, e, one)
+        lf, lref, ef, eref = r["peaked"]
+        if "float32" in r["case"] and "softcap=0.0" in r["case"]:
+            assert lref < 0 and abs(lf - lref) <= 1e-3 * abs(lref) and abs(ef - eref) <= 1e-3 * abs(eref), r
+    assert "fxfuse::vocab_parallel_log_probs" in got["contract"] and str(V) in got["contract"], got["contract"]
 
 
 def test_logit_chain_reads_the_dtensor_calls_dynamo_captures_as_functions(tmp_path):

@@ -111,10 +111,12 @@ if HAVE_TRITON:
         V, inv_temp, softcap, inv_softcap,
         BACKWARD: tl.constexpr, ENTROPY: tl.constexpr, HAS_GLOGP: tl.constexpr, HAS_GENT: tl.constexpr,
         SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, FAST_TANH: tl.constexpr, RN: tl.constexpr,
-        TOP1: tl.constexpr, MEAN: tl.constexpr, LSQ: tl.constexpr,
+        TOP1: tl.constexpr, MEAN: tl.constexpr, LSQ: tl.constexpr, LOGP_IS_ZY: tl.constexpr = False,
     ):
         row = tl.program_id(0).to(tl.int64)  # int64: C * V exceeds 2**31 for big budgets
         base = logits_ptr + row * stride_row
+        # An index outside [0, V) is *absent* from this slice of the vocabulary (the vocabulary-parallel op: another
+        # rank holds it): no column matches it, so it picks no logit (z_y = 0) and gets no one-hot term.
         y = tl.load(index_ptr + row)
         cols0 = tl.arange(0, BLOCK_V)
 
@@ -153,7 +155,10 @@ if HAVE_TRITON:
             zyr = tl.sum(zy, axis=0)
             tl.store(mx_ptr + row, mx)
             tl.store(ls_ptr + row, ls)
-            tl.store(logp_ptr + row, (zyr - mx) - ls)
+            if LOGP_IS_ZY:  # the picked logit itself (0 where absent), for a cross-rank combine
+                tl.store(logp_ptr + row, zyr)
+            else:
+                tl.store(logp_ptr + row, (zyr - mx) - ls)
             if TOP1:  # argmax's rule: the first maximum wins a tie
                 tl.store(top1_ptr + row, ((zyr >= mx) & (zyr > tl.max(zb, axis=0))).to(tl.uint8))
             if MEAN:
@@ -207,7 +212,7 @@ if HAVE_TRITON:
 
 
 def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap, backward, top1=None, mean=None,
-            lsq=None):
+            lsq=None, zy_out=False):
     C, V = buf.shape
     if C == 0:
         return
@@ -228,13 +233,14 @@ def _launch(buf, index, logp, ent, lse, ez, g_logp, g_ent, temperature, softcap,
         BACKWARD=bool(backward), ENTROPY=ent is not None, HAS_GLOGP=g_logp is not None,
         HAS_GENT=g_ent is not None, SOFTCAP=bool(softcap), BLOCK_V=BLOCK_V, FAST_TANH=fast_tanh,
         RN=rounded_z(buf), TOP1=top1 is not None, MEAN=mean is not None, LSQ=lsq is not None,
-        num_warps=num_warps,
+        LOGP_IS_ZY=bool(zy_out), num_warps=num_warps,
     )
 
 
-def _rows_triton_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=None, mean=None, lsq=None):
+def _rows_triton_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=None, mean=None, lsq=None,
+                     zy_out=False):
     """Forward row step on one [C, V] chunk (same contract as :func:`_rows_torch_fwd`)."""
-    _launch(buf, index, logp, ent, lse, ez, None, None, temperature, softcap, False, top1, mean, lsq)
+    _launch(buf, index, logp, ent, lse, ez, None, None, temperature, softcap, False, top1, mean, lsq, zy_out)
 
 
 def _rows_triton_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
@@ -254,13 +260,21 @@ def _z(buf, temperature, softcap):
     return z, th
 
 
-def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=None, mean=None, lsq=None):
-    """Reads the [C, V] logits in ``buf``; writes logp [C], the row statistics ``lse`` ([2, C]: the row max, log S)
-    and, when ``ent`` is given, the entropy and E_p[z] - mx into ``ent`` / ``ez`` ([C]); all fp32. ``top1`` (uint8),
-    ``mean``, ``lsq`` ([C] each, or None): whether the index is z's first argmax, the mean of z, log sum p^2."""
-    if buf.shape[0] == 0:
+def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=None, mean=None, lsq=None,
+                    zy_out=False):
+    """Reads the [C, V] logits in ``buf``; writes logp [C] (with ``zy_out`` the picked logit z[index] instead), the
+    row statistics ``lse`` ([2, C]: the row max, log S) and, when ``ent`` is given, the entropy and E_p[z] - mx into
+    ``ent`` / ``ez`` ([C]); all fp32. ``top1`` (uint8), ``mean``, ``lsq`` ([C] each, or None): whether the index is
+    z's first argmax, the mean of z, log sum p^2. An index outside [0, V) is absent from this vocabulary slice:
+    it picks 0 (log-prob ``-mx - ls``)."""
+    C, V = buf.shape
+    if C == 0:
         return
     z, _ = _z(buf, temperature, softcap)
+    present = (index >= 0) & (index < V)
+    y = torch.where(present, index, 0).unsqueeze(1)
+    if zy_out:
+        logp.copy_(torch.where(present, z.gather(1, y).squeeze(1), 0.0))
     if top1 is not None:
         top1.copy_(z.argmax(-1) == index)  # argmax returns the first maximum, the kernel's tie rule
     if mean is not None:
@@ -271,7 +285,8 @@ def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=N
         lsq.copy_(torch.log1p((e * e).sum(-1)) - 2.0 * ls)
     lse[0].copy_(mx)
     lse[1].copy_(ls)
-    logp.copy_(zs.gather(1, index.unsqueeze(1)).squeeze(1) - ls)
+    if not zy_out:
+        logp.copy_(torch.where(present, zs.gather(1, y).squeeze(1), -mx) - ls)
     if ent is not None:
         # H = log1p(S - 1) - T/S around the row max: exact for nearly one-hot rows too (e is 0 at the max,
         # where zs = 0 contributes nothing to T anyway)
@@ -284,7 +299,8 @@ def _rows_torch_fwd(buf, index, logp, ent, lse, ez, temperature, softcap, top1=N
 def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
     """Overwrites ``buf`` (the [C, V] logits) with d(sum g_logp*logp + g_ent*H)/d logits, from the saved row
     statistics ``lse`` ([2, C]) and ``ez`` (E_p[z] - mx, [C])."""
-    if buf.shape[0] == 0:
+    C, V = buf.shape
+    if C == 0:
         return
     z, th = _z(buf, temperature, softcap)
     zs = z - lse[0].unsqueeze(1)  # z - mx
@@ -293,9 +309,12 @@ def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
     if g_logp is not None:
         gl = g_logp.float()
         d = p * -gl.unsqueeze(1)
-        idx = index.unsqueeze(1)
-        # the index entry g (1 - p_y) = -g expm1((z_y - mx) - ls): accurate for peaked rows
-        d.scatter_(1, idx, (-gl * torch.expm1(zs.gather(1, idx).squeeze(1) - lse[1])).unsqueeze(1))
+        present = (index >= 0) & (index < V)
+        idx = torch.where(present, index, 0).unsqueeze(1)
+        # the index entry g (1 - p_y) = -g expm1((z_y - mx) - ls): accurate for peaked rows; an absent index's
+        # column (another rank holds it) keeps its -g p
+        dy = -gl * torch.expm1(zs.gather(1, idx).squeeze(1) - lse[1])
+        d.scatter_(1, idx, torch.where(present, dy, d.gather(1, idx).squeeze(1)).unsqueeze(1))
     else:
         d = torch.zeros_like(p)
     if g_ent is not None:
@@ -311,7 +330,7 @@ def _rows_torch_bwd(buf, index, lse, ez, g_logp, g_ent, temperature, softcap):
 # ================================================================================================ chunk drivers
 def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
                  chunk_bytes: int, top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False,
-                 unit_grad: bool = False):
+                 unit_grad: bool = False, target_logit: bool = False):
     """hidden [N, D], weight [V, D], index [N] int64, bias [V] or None.
 
     Returns (logp [N], entropy [N] or [0], lse [2, N], ez [N] or [0], top1 [N] bool or [0], mean_logits [N] or
@@ -322,17 +341,22 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     ``unit_grad`` (a frozen lm-head, log-probs only): also ``unit`` = d logp_t / d hidden_t for an upstream
     gradient of 1, in hidden's dtype. The gradient is linear in the per-token upstream gradient g, so the backward
     is ``g[:, None] * unit``: the chunk that was just projected is turned into d logp / d logits in place and
-    multiplied by W (two matmuls in all, where recomputing in the backward takes three)."""
+    multiplied by W (two matmuls in all, where recomputing in the backward takes three).
+
+    ``target_logit`` (no gradients formed): ``logp`` holds each row's picked logit z[index] instead, 0 where the
+    index is outside [0, V) (absent from this vocabulary slice): what the vocabulary-parallel op combines."""
     ones = torch.ones(hidden.shape[0] if unit_grad else 0, dtype=torch.float32, device=hidden.device)
     out = logp_forward_with_grads(hidden, weight, index, bias, temperature, softcap, entropy, chunk_bytes,
                                   (lambda s, e, logp, ent: (ones[s:e], None)) if unit_grad else None,
-                                  unit_grad, False, False, top1, mean_logits, log_sum_sq_probs)
+                                  unit_grad, False, False, top1, mean_logits, log_sum_sq_probs,
+                                  target_logit=target_logit)
     return out[:7] + (out[7],)
 
 
 def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
                             chunk_bytes: int, chunk_grads, need_gh: bool, need_gw: bool, need_gb: bool,
-                            top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False):
+                            top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False,
+                            target_logit: bool = False):
     """The forward chunk loop, optionally forming gradients as it goes.
 
     ``chunk_grads(start, end, logp, ent) -> (g_logp, g_ent)``, called once per token chunk right after the chunk's
@@ -359,7 +383,7 @@ def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, sof
     def step(buf, s, e):
         fwd(buf, index[s:e], logp[s:e], ent[s:e] if entropy else None, lse[:, s:e], ez[s:e] if entropy else None,
             temperature, softcap, top[s:e] if top1 else None, mean[s:e] if mean_logits else None,
-            lsq[s:e] if log_sum_sq_probs else None)
+            lsq[s:e] if log_sum_sq_probs else None, target_logit)
         if chunk_grads is not None:  # the same chunk, now with its row statistics: d / d logits, in place
             g_logp, g_ent = chunk_grads(s, e, logp, ent)
             if g_ent is not None and not entropy:
@@ -376,16 +400,18 @@ def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, sof
 
 def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], hidden, weight, index, bias,
                   lse, ez, temperature: float, softcap: float, need_gh: bool, need_gw: bool, need_gb: bool,
-                  chunk_bytes: int):
+                  chunk_bytes: int, grad_hidden_fp32: bool = False):
     """Backward by recomputation, for per-token upstream grads ``g_logp`` / ``g_ent`` ([N] each, either None).
 
-    Returns (grad_hidden [N, D], grad_weight [V, D], grad_bias [V]) in the input dtypes; empty [0] tensors for
+    Returns (grad_hidden [N, D], grad_weight [V, D], grad_bias [V]) in the input dtypes (grad_hidden in fp32 with
+    ``grad_hidden_fp32``: a partial sum to be added to other ranks' before it is rounded); empty [0] tensors for
     those not asked for."""
     need_gb = need_gb and bias is not None
     if g_logp is None and g_ent is None:  # nothing flows back: exact zeros, no matmuls
         N, D = hidden.shape
         z = lambda t, shape: t.new_zeros(shape)  # noqa: E731
-        return (z(hidden, (N, D)) if need_gh else hidden.new_empty(0),
+        return (hidden.new_zeros((N, D), dtype=torch.float32 if grad_hidden_fp32 else hidden.dtype) if need_gh
+                else hidden.new_empty(0),
                 z(weight, tuple(weight.shape)) if need_gw else hidden.new_empty(0),
                 z(bias, tuple(bias.shape)) if need_gb else hidden.new_empty(0))
     bwd = _rows_triton_bwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_bwd
@@ -400,7 +426,8 @@ def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
             g_logp[s:e] if g_logp is not None else None, g_ent[s:e] if g_ent is not None else None,
             temperature, softcap)
 
-    return chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, True)
+    return chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, True,
+                      grad_hidden_fp32=grad_hidden_fp32)
 
 
 # ================================================================================================ reference

@@ -11,6 +11,8 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
 * :func:`linear_log_probs` — per-token ``log_softmax(z)[index]`` and optional entropy of
   ``z = softcap(hidden @ weight.T + bias) / temperature`` (RL / preference losses), arbitrary per-token upstream
   gradients, logits never materialised.
+* :func:`vocab_parallel_log_probs` — the same log-probs and entropy where each rank holds a slice of the weight's
+  vocabulary rows (tensor parallelism).
 * :func:`lora_linear` — a (frozen) linear layer plus its LoRA adapters, ``x @ W.T + sum_i s_i * dropout_i(x) @
   A_i.T @ B_i.T``, with the dropout masks regenerated from a seed in the backward instead of stored.
 * :func:`softcap_attention` — ``softmax(softcap(q @ k.T * scaling) + mask) @ v`` flash-attention style, GQA
@@ -22,8 +24,9 @@ from .linear_cross_entropy import linear_cross_entropy
 from .linear_log_probs import linear_log_probs
 from .lora_linear import lora_linear
 from .vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
+from .vocab_parallel_log_probs import vocab_parallel_log_probs
 from fxfuse.attention.op import document_ranges, softcap_attention
 
 __all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention",
-           "vocab_parallel_cross_entropy"]  # the fused ops
+           "vocab_parallel_cross_entropy", "vocab_parallel_log_probs"]  # the fused ops
 # document_ranges (also importable from here) is the helper that builds softcap_attention's doc_ranges
