@@ -8,7 +8,9 @@ every rank holding the same tokens' hidden states, forward + backward of the mea
 * ``loss_parallel``: the logits stay sharded into ``loss_parallel()``'s cross-entropy (torchtitan's recipe);
 
 each eager, compiled by Inductor and compiled by fxfuse (which runs ``fxfuse::vocab_parallel_cross_entropy`` for
-both). Per row: median ms of 10 timed steps after 3 warm-up steps (CUDA events, the ranks in lockstep), the peak
+both). ``--loss logp`` times RL's objective instead, the sampled tokens' log-probs at a temperature weighted by
+advantages (``--loss logp_entropy``: minus 0.01 x the mean entropy, an entropy bonus), through the gathered head
+(fxfuse: ``fxfuse::vocab_parallel_log_probs``). Per row: median ms of 10 timed steps after 3 warm-up steps (CUDA events, the ranks in lockstep), the peak
 memory above the weights and inputs (rank 0), and, at the smallest token count, the loss and gradients against a
 float64 reference. Rows to $OUT/tp_head.jsonl (each with machine, versions, commit), plot $OUT/tp_head.png
 (``--plot ROWS.jsonl [PNG]`` redraws one from saved rows).
@@ -67,15 +69,24 @@ def _head(mesh, layout, seed=0):
     return m
 
 
+def _rl_objective(z, y, loss):
+    """-(advantage-weighted log-probs of the sampled tokens y at temperature 0.7), with ``logp_entropy`` minus 0.01 x
+    the mean entropy; ``z`` the logits."""
+    lp = torch.log_softmax(z / 0.7, -1)
+    logp = lp.gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    out = -(logp * torch.linspace(-1.0, 1.0, logp.numel(), device=logp.device, dtype=logp.dtype)).mean()
+    if loss == "logp_entropy":
+        out = out - 0.01 * (-(lp.exp() * lp).sum(-1)).mean()
+    return out
+
+
 def _step_fn(m, impl, loss="ce"):
     compiler, layout = impl.split("-", 1)
 
     def step(h, y):
         logits = m(h)
-        if loss == "logp":  # RL: the sampled tokens' log-probs at a temperature, advantage-weighted
-            logp = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-            adv = torch.linspace(-1.0, 1.0, logp.numel(), device=logp.device)
-            return -(logp * adv).mean()
+        if loss.startswith("logp"):  # RL: the sampled tokens' log-probs at a temperature, advantage-weighted
+            return _rl_objective(logits.float(), y, loss)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     if compiler == "inductor":
@@ -131,9 +142,8 @@ def _reference(m, h, y):
 
     w = m[0].weight.full_tensor() if isinstance(m[0].weight, DTensor) else m[0].weight
     hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    if LOSS == "logp":
-        logp = torch.log_softmax((hd @ wd.T) / 0.7, -1).gather(-1, y.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        loss = -(logp * torch.linspace(-1.0, 1.0, logp.numel(), device=logp.device, dtype=logp.dtype)).mean()
+    if LOSS.startswith("logp"):
+        loss = _rl_objective(hd @ wd.T, y, LOSS)
     else:
         loss = F.cross_entropy((hd @ wd.T), y.reshape(-1))
     loss.backward()
@@ -144,8 +154,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--loss", default="ce", choices=("ce", "logp"),
-                    help="ce: mean cross-entropy; logp: RL log-probs of the sampled tokens (gathered impls only)")
+    ap.add_argument("--loss", default="ce", choices=("ce", "logp", "logp_entropy"),
+                    help="ce: mean cross-entropy; logp: RL log-probs of the sampled tokens (gathered impls only); "
+                         "logp_entropy: the same with an entropy bonus")
     ap.add_argument("--vocab", type=int, default=V)
     ap.add_argument("--hidden", type=int, default=D)
     a = ap.parse_args()
@@ -236,7 +247,8 @@ def _plot(rows):
         ax.set_ylabel(label)
     axes[0].legend(fontsize=7)
     r0 = ok[0] if ok else {}
-    what = "RL log-probs" if r0.get("objective") == "logp" else "lm-head loss"
+    what = {"logp": "RL log-probs", "logp_entropy": "RL log-probs + entropy"}.get(r0.get("objective"),
+                                                                              "lm-head loss")
     fig.suptitle(f"Llama-3-8B {what}, vocabulary split over {r0.get('gpus')} x {r0.get('machine')} "
                  f"(torch {r0.get('torch')}, {r0.get('commit')})", fontsize=9)
     fig.tight_layout()
