@@ -3,7 +3,10 @@
 
 Runs after ``linear_cross_entropy`` and ``linear_log_probs``, on their ops: log-probs (and entropy), and a
 cross-entropy with ``reduction="none"`` (a custom loop's masked or weighted token mean: its per-token loss is the
-target's -logp, 0 on ignored rows, so the same op serves it with the cross-entropy's logit transform).
+target's -logp, 0 on ignored rows, so the same op serves it with the cross-entropy's logit transform). Log-probs of a
+vocabulary-split lm-head (tensor parallelism, ``fxfuse::vocab_parallel_log_probs``) become
+``fxfuse::vocab_parallel_log_probs_loss`` the same way, each chunk's statistics combined across the ranks before
+the loss runs on them.
 
 Where the graph also computes the loss from the op's log-probs (and entropy), as an RL step compiled with its
 loss does (GRPO / DAPO: ``-min(ratio * A, clip(ratio) * A)``, masked, summed and
@@ -43,6 +46,7 @@ import torch.fx as fx
 import fxfuse.ops.linear_cross_entropy  # noqa: F401  (registers torch.ops.fxfuse.linear_cross_entropy)
 import fxfuse.ops.linear_log_probs  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs)
 import fxfuse.ops.log_probs_loss  # noqa: F401  (registers torch.ops.fxfuse.linear_log_probs_loss)
+import fxfuse.ops.vocab_parallel_log_probs  # noqa: F401  (registers the vocabulary-parallel log-probs (loss) ops)
 from fxfuse.fx_program import ProgramError, dump_graph
 from fxfuse.graph_utils import (SHAPE_ONLY_KINDS, arg, copy_node_meta, flat_nodes, known_true, node_val, op_kind,
                                 same_shape)
@@ -253,6 +257,25 @@ def _rewrite_log_probs(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
     return _rewrite(gm, op, ctx, what, roots, tuple(op.args[:8]), _needs_grad(wv, bv))
 
 
+def _rewrite_vocab_parallel(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
+    """``fxfuse::vocab_parallel_log_probs`` (a vocabulary-split lm-head under tensor parallelism) whose loss is in
+    the graph: ``fxfuse::vocab_parallel_log_probs_loss``, the ranks combining each chunk's statistics before every
+    rank runs the loss on them and forms its slice's gradient (3 matmuls with a trainable head, 2 with a frozen one:
+    its recompute path would take 4 / 3)."""
+    what = "log-probs loss (vocabulary split between ranks)"
+    hv, wv = node_val(op.args[0]), node_val(op.args[1])
+    if not _needs_grad(hv, wv):
+        return False
+    roots = {}
+    for u in op.users:
+        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
+            ctx.skipped(op, what, "left to the backward: the op's outputs are read as a whole")
+            return False
+        roots[u.args[1]] = u
+    return _rewrite(gm, op, ctx, what, roots, tuple(op.args[:9]), _needs_grad(wv),
+                    loss_op=torch.ops.fxfuse.vocab_parallel_log_probs_loss.default)
+
+
 def _rewrite_cross_entropy(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
     """``fxfuse::linear_cross_entropy(..., reduction="none")`` whose per-token losses feed a loss in the graph
     (masked or weighted token means): the per-token loss is ``-logp`` of the target (0 where ignored), so the
@@ -277,7 +300,7 @@ def _rewrite_cross_entropy(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
 
 
 def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx, what: str, roots: Dict[int, fx.Node], args: tuple,
-             trainable: bool, ce=None) -> bool:
+             trainable: bool, ce=None, loss_op=None) -> bool:
     g = gm.graph
     t, why = _find_tail(g, roots)
     if t is None:
@@ -302,7 +325,8 @@ def _rewrite(gm: fx.GraphModule, op: fx.Node, ctx, what: str, roots: Dict[int, f
             index = g.call_function(torch.where, (valid, flat, 0))
             args = args[:2] + (index,) + args[3:]
             tensors = [valid] + tensors
-        new = g.call_function(torch.ops.fxfuse.linear_log_probs_loss.default, args + (program, tensors, list(t.ints)))
+        new = g.call_function(loss_op or torch.ops.fxfuse.linear_log_probs_loss.default,
+                              args + (program, tensors, list(t.ints)))
         copy_node_meta(new, op)
         if ce is not None:  # the per-token losses' value, as the cross-entropy gave it (no gradient now)
             logp = g.call_function(operator.getitem, (new, 0))
@@ -339,6 +363,8 @@ def log_probs_loss_pass(gm: fx.GraphModule, ctx) -> int:
             changed += _rewrite_log_probs(gm, node, ctx)
         elif node.target is torch.ops.fxfuse.linear_cross_entropy.default:
             changed += _rewrite_cross_entropy(gm, node, ctx)
+        elif node.target is torch.ops.fxfuse.vocab_parallel_log_probs.default:
+            changed += _rewrite_vocab_parallel(gm, node, ctx)
     if changed:
         gm.recompile()
     return changed

@@ -295,7 +295,9 @@ def _train_tp(rank, world, case):
                      "gathers": sorted({e.name for e in prof.events() if e.name.startswith("gloo:all_gather")})}
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
              if r.pass_name == ("linear_log_probs" if case.startswith("tp_log_probs") else "linear_cross_entropy")]
-    return {**out, "lce_sites": sites}
+    loss_sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
+                  if r.pass_name == "log_probs_loss"]
+    return {**out, "lce_sites": sites, "loss_sites": loss_sites}
 
 
 def _gloo_worker_threads():
@@ -500,6 +502,9 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
         "fxfuse::vocab_parallel_cross_entropy"
     ran = any(o.startswith(op) for o in fx["ops"])
     assert ran == (status == "fused"), (fx["ops"], got["lce_sites"])
+    if case.startswith("tp_log_probs"):  # the loss in the same graph: the gradients formed in the forward
+        assert got["loss_sites"] and all(st == "fused" for st, _ in got["loss_sites"]), got["loss_sites"]
+        assert any(o.startswith("fxfuse::vocab_parallel_log_probs_loss") for o in fx["ops"]), fx["ops"]
     if case in ("tp_gathered", "tp_log_probs", "tp_log_probs_entropy"):  # the step returns no logits: their all-gather is gone
         assert ea["gathers"] and not fx["gathers"], (ea["gathers"], fx["gathers"])
 

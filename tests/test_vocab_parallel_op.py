@@ -133,6 +133,19 @@ def _logp_cases(path):
                 yield dt, softcap, temperature, grads
 
 
+def _tail(logp, ent, g_logp, g_ent):
+    """The loss the op runs per chunk: sum(g_logp * logp) + sum(g_ent * entropy), the reference's weighting."""
+    return (g_logp * logp).sum() + (g_ent * ent).sum()
+
+
+def _tail_text():
+    import torch.fx as fx
+
+    from fxfuse.fx_program import dump_graph
+
+    return dump_graph(fx.symbolic_trace(_tail).graph)
+
+
 def _logp_worker(rank, world, port, path, result_path):
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -149,6 +162,8 @@ def _logp_worker(rank, world, port, path, result_path):
     K.FORCE_TRITON = path == "triton"
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rows = []
+    global TAIL
+    TAIL = _tail_text()
     try:
         start, length = vocab_slice(V, rank, world)
         sl = slice(start, start + length)
@@ -188,12 +203,22 @@ def _logp_worker(rank, world, port, path, result_path):
             l1, e1 = linear_log_probs(h1, w1, t, temperature=temperature, softcap=softcap or None,
                                       return_entropy=True, chunk_bytes=CHUNK_BYTES)
             backward(l1, e1)
+            # with its loss (what the log_probs_loss pass inserts): the gradients formed in the forward, each chunk's
+            # statistics combined across the ranks first (chunks of 10 rows for both slices)
+            hl, wl = h.clone().requires_grad_(), w[sl].clone().requires_grad_()
+            tail_args = [gl if gl is not None else torch.zeros(N), ge if ge is not None else torch.zeros(N)]
+            ll, el, carrier = torch.ops.fxfuse.vocab_parallel_log_probs_loss(
+                hl, wl, t, V, dist.group.WORLD.group_name, temperature, softcap, True, CHUNK_BYTES, TAIL, tail_args,
+                [])
+            (_tail(ll, el, *tail_args) + carrier).backward()
 
             def err(a, b):
                 return (a.detach().double() - b.double()).abs().max().item()
 
             rows.append({"case": f"{dt} softcap={softcap} temperature={temperature} grads of {grads}",
                          "fxfuse": [err(lf, ref[0]), err(ef, ref[1]), err(hf.grad, ref[2]), err(wf.grad, ref[3][sl])],
+                         "with_loss": [err(ll, ref[0]), err(el, ref[1]), err(hl.grad, ref[2]),
+                                       err(wl.grad, ref[3][sl])],
                          "eager": [err(le, ref[0]), err(ee, ref[1]), err(he.grad, ref[2]), err(we.grad[sl], ref[3][sl])],
                          "one_rank": [err(l1, ref[0]), err(e1, ref[1]), err(h1.grad, ref[2]),
                                       err(w1.grad[sl], ref[3][sl])]})
@@ -226,9 +251,10 @@ def test_two_ranks_log_probs_and_entropy_match_the_float64_whole_vocabulary(path
     assert len(got["rows"]) == len(list(_logp_cases(path)))
     for r in got["rows"]:
         assert r["same_on_ranks"], r
-        for what, f, e, one in zip(("log-probs", "entropy", "grad hidden", "grad weight"), r["fxfuse"], r["eager"],
-                                   r["one_rank"]):
+        for what, f, fl, e, one in zip(("log-probs", "entropy", "grad hidden", "grad weight"), r["fxfuse"],
+                                       r["with_loss"], r["eager"], r["one_rank"]):
             assert f <= 2 * min(e, one) + 2e-6, (r["case"], what, f, e, one)
+            assert fl <= 2 * min(e, one) + 2e-6, (r["case"], "with its loss", what, fl, e, one)
         lf, lref, ef, eref = r["peaked"]
         if "float32" in r["case"] and "softcap=0.0" in r["case"]:
             assert lref < 0 and abs(lf - lref) <= 1e-3 * abs(lref) and abs(ef - eref) <= 1e-3 * abs(eref), r

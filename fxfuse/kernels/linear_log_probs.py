@@ -68,6 +68,7 @@ __all__ = [
     "logp_forward",
     "logp_forward_with_grads",
     "logp_backward",
+    "logp_forward_split_vocab",
     "logp_reference",
     "logp_stats_reference",
 ]
@@ -396,6 +397,56 @@ def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, sof
     need_gb = need_gb and bias is not None
     grads = chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, chunk_grads is not None)
     return (logp, ent, lse, ez, top.view(torch.bool), mean, lsq) + tuple(grads)
+
+
+def logp_forward_split_vocab(hidden, weight, local_index, temperature: float, softcap: float, entropy: bool,
+                             chunk_bytes: int, combine, chunk_vocab: int, chunk_grads, need_gh: bool, need_gw: bool):
+    """The forward of the vocabulary-parallel log-probs over this rank's slice ``weight`` [V_local, D], forming the
+    gradients as it goes (the loss is known: ``chunk_grads`` as in :func:`logp_forward_with_grads`).
+
+    Chunk by chunk: the logits (one matmul); this rank's row statistics, its slice's entropy statistics and the
+    picked logits (``local_index`` outside [0, V_local): absent, picks 0); then ``combine(s, e, zy, lse, ez) ->
+    (logp, entropy or None, stats [2, C], ez or None)``, the caller's collectives giving the whole vocabulary's values
+    for the chunk's rows (every rank cuts the same chunks, counted for ``chunk_vocab`` vocabulary rows); then the
+    chunk's upstream gradients from ``chunk_grads`` on the whole-vocabulary log-probs so far, and the gradient over
+    this rank's slice with the combined statistics (the one-hot term only where the index is this rank's) times
+    the hidden states and weight: three matmuls, where recomputing in the backward would take four.
+
+    Returns (logp [N], entropy [N] or [0], grad_hidden [N, D] fp32: this rank's part of the sum over the
+    vocabulary, grad_weight [V_local, D]), empty [0] tensors for gradients not asked for."""
+    N = hidden.shape[0]
+    dev = hidden.device
+    triton_rows = use_triton(hidden, FORCE_TRITON)
+    fwd = _rows_triton_fwd if triton_rows else _rows_torch_fwd
+    bwd = _rows_triton_bwd if triton_rows else _rows_torch_bwd
+    local_index = local_index.contiguous()
+    f32 = dict(dtype=torch.float32, device=dev)
+    zy = torch.empty(N, **f32)
+    lse_local = torch.empty((2, N), **f32)
+    ent_local = torch.empty(N if entropy else 0, **f32)
+    ez_local = torch.empty(N if entropy else 0, **f32)
+    # zeros, not empty: chunk_grads reads the rows past the chunk (they must hold finite values)
+    logp = torch.zeros(N, **f32)
+    ent = torch.zeros(N if entropy else 0, **f32)
+
+    def step(buf, s, e):
+        idx = local_index[s:e]
+        fwd(buf, idx, zy[s:e], ent_local[s:e] if entropy else None, lse_local[:, s:e],
+            ez_local[s:e] if entropy else None, temperature, softcap, zy_out=True)
+        lp, en, stats, ez = combine(s, e, zy[s:e], lse_local[:, s:e], ez_local[s:e] if entropy else None)
+        logp[s:e].copy_(lp)
+        if entropy:
+            ent[s:e].copy_(en)
+        g_logp, g_ent = chunk_grads(s, e, logp, ent)
+        if g_ent is not None and not entropy:
+            raise ValueError("an entropy gradient without the entropy")
+        if g_logp is None and g_ent is None:
+            g_logp = torch.zeros(e - s, **f32)
+        bwd(buf, idx, stats, ez if g_ent is not None else None, g_logp, g_ent, temperature, softcap)
+
+    gh, gw, _gb = chunk_loop(hidden, weight, None, step, need_gh, need_gw, False, chunk_bytes, True,
+                             grad_hidden_fp32=True, chunk_vocab=chunk_vocab)
+    return logp, ent, gh, gw
 
 
 def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor], hidden, weight, index, bias,

@@ -12,13 +12,15 @@ from ..kernels import lm_head_rows
 LM_HEAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def chunk_budget(chunk_bytes: int, weight: Optional[Tensor] = None) -> int:
+def chunk_budget(chunk_bytes: int, weight: Optional[Tensor] = None, vocab_rows: Optional[int] = None) -> int:
     """The ops' ``chunk_bytes`` argument as a logits-chunk budget in bytes: 0 (or less) means the default,
     ``lm_head_rows.DEFAULT_CHUNK_BYTES``, raised to ``MIN_DEFAULT_CHUNK_ROWS`` rows of ``weight``'s vocabulary
-    (read at call time)."""
+    (read at call time), or of ``vocab_rows`` vocabulary entries where given (the vocabulary-parallel ops: the
+    largest slice's, so every rank gets the same budget and cuts the same chunks)."""
     if chunk_bytes and chunk_bytes > 0:
         return int(chunk_bytes)
-    rows = lm_head_rows.MIN_DEFAULT_CHUNK_ROWS * (weight.shape[0] * weight.element_size() if weight is not None else 0)
+    vocab = weight.shape[0] if vocab_rows is None and weight is not None else (vocab_rows or 0)
+    rows = lm_head_rows.MIN_DEFAULT_CHUNK_ROWS * vocab * (weight.element_size() if weight is not None else 0)
     return max(lm_head_rows.DEFAULT_CHUNK_BYTES, rows)
 
 

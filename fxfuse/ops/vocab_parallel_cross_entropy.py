@@ -132,7 +132,7 @@ def vocab_parallel_cross_entropy_fwd(
     start, length = vocab_slice(vocab_size, rank, world)
     target = target.long()
     local = _local_targets(target, start, length, ignore_index)
-    budget = chunk_budget(chunk_bytes, weight)
+    budget = chunk_budget(chunk_bytes, weight, -(-vocab_size // world))  # the same on every rank
     wh, ww = _writes(reduction, grad_in_forward, grad_hidden, grad_weight)
     empty = hidden.new_empty(0)
     if wh or ww:

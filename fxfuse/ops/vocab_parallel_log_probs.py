@@ -23,10 +23,16 @@ another rank holds gets no one-hot term): d/dz = g_logp (onehot - p) - g_ent p (
 upstream gradients (advantages, masks, importance ratios). grad_hidden, each rank's partial sum over its slice, is
 all-reduced in fp32 and rounded once; grad_weight is the rank's slice. Four matmuls, as the one-rank op's
 recompute path; collectives run inside the op, the process group passed by name.
+
+``fxfuse::vocab_parallel_log_probs_loss`` is the same with the loss known (the ``log_probs_loss`` pass carries it
+as a small program, as for :mod:`fxfuse.ops.log_probs_loss` on one GPU): chunk by chunk the ranks combine the chunk's
+statistics, every rank runs the loss on the whole-vocabulary log-probs so far for the chunk's per-token upstream
+gradients, and each forms its slice's gradient there: three matmuls, the logits projected once. Its ``carrier``
+output (a 0-dim zero added to the loss) scales those gradients by the loss's upstream gradient in the backward.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,7 +40,9 @@ from torch import Tensor
 
 from ..contracts import OpContract
 from ..kernels import linear_log_probs as K
+from ..errors import FxFuseError
 from ._lm_head import LM_HEAD_DTYPES, check_class_indices, chunk_budget, flatten_and_grad_flags
+from .log_probs_loss import tail_gradients
 from .vocab_parallel_cross_entropy import _combine_stats, _group, _local_targets, vocab_slice
 
 __all__ = ["vocab_parallel_log_probs"]
@@ -172,6 +180,101 @@ def _composite(hidden, weight, index, vocab_size, group_name, temperature=1.0, s
 
 
 _lib.impl("vocab_parallel_log_probs", _composite, "CompositeImplicitAutograd")
+
+
+# ================================================================================================ with its loss
+@torch.library.custom_op("fxfuse::vocab_parallel_log_probs_loss_fwd", mutates_args=())
+def vocab_parallel_log_probs_loss_fwd(
+    hidden: Tensor, weight: Tensor, index: Tensor, vocab_size: int, group_name: str, temperature: float,
+    softcap: float, return_entropy: bool, grad_hidden: bool, grad_weight: bool, chunk_bytes: int, tail: str,
+    tail_tensors: List[Tensor], tail_ints: List[int],
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    pg = _group(group_name)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    _check(hidden, weight, index, vocab_size, temperature, softcap, world, rank)
+    check_class_indices(_OP, index, vocab_size, None, what="index")
+    start, length = vocab_slice(vocab_size, rank, world)
+    index = index.long()
+    held = (index >= start) & (index < start + length)
+    entropy = bool(return_entropy)
+
+    def combine(s, e, zy, lse, ez):
+        m, log_s, zym, ezm = _combine(lse, ez, zy, held[s:e], pg)
+        stats = torch.stack([m, log_s.float()])
+        return ((zym - log_s).float(), (log_s - ezm).float() if entropy else None, stats,
+                ezm.float() if entropy else None)
+
+    grads = tail_gradients(tail, entropy, tail_tensors, [int(i) for i in tail_ints])
+    chunk_vocab = -(-vocab_size // world)
+    logp, ent, gh, gw = K.logp_forward_split_vocab(
+        hidden, weight, _local_targets(index, start, length, _NO_IGNORE), float(temperature), float(softcap), entropy,
+        chunk_budget(chunk_bytes, weight, chunk_vocab), combine, chunk_vocab, grads, bool(grad_hidden),
+        bool(grad_weight))
+    if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=pg)
+        gh = gh.to(hidden.dtype)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    # carrier: the loss's gradient path (value 0); consumed: set by the backward that scales the gradients
+    return logp, ent, torch.zeros((), **f32), gh, gw, torch.zeros((), **f32)
+
+
+@vocab_parallel_log_probs_loss_fwd.register_fake
+def _(hidden, weight, index, vocab_size, group_name, temperature, softcap, return_entropy, grad_hidden, grad_weight,
+      chunk_bytes, tail, tail_tensors, tail_ints):
+    _check(hidden, weight, index, vocab_size, temperature, softcap)
+    N = hidden.shape[0]
+    f32 = torch.float32
+    return (hidden.new_empty((N,), dtype=f32), hidden.new_empty((N,) if return_entropy else (0,), dtype=f32),
+            hidden.new_empty((), dtype=f32),
+            hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if grad_weight else hidden.new_empty(0), hidden.new_empty((), dtype=f32))
+
+
+def _loss_setup_context(ctx, inputs, output):
+    grad_hidden, grad_weight, tail_tensors, tail_ints = inputs[8], inputs[9], inputs[12], inputs[13]
+    logp, ent, carrier, gh, gw, consumed = output
+    ctx.mark_non_differentiable(logp, ent, gh, gw, consumed)
+    ctx.set_materialize_grads(False)
+    ctx.flags = (bool(grad_hidden), bool(grad_weight))
+    ctx.consumed = False
+    ctx.n_loss_tensors, ctx.no_loss_ints = len(tail_tensors), len(tail_ints) == 0
+    ctx.save_for_backward(gh, gw, consumed)
+
+
+def _loss_backward(ctx, _g_logp, _g_ent, g_carrier, *_no_grad):
+    fh, fw = ctx.flags
+    # one entry per input: a list of Nones for the tensor list; for the integers None, or [] when there are none
+    # (torch.library reads an empty list as a list of tensors)
+    rest = (None,) * 10 + ([None] * ctx.n_loss_tensors, [] if ctx.no_loss_ints else None)
+    if g_carrier is None:
+        return (None, None) + rest
+    if ctx.consumed:
+        raise FxFuseError("fxfuse::vocab_parallel_log_probs_loss: backward ran twice through one forward "
+                          "(retain_graph=True?); the gradients formed in the forward are consumed by the first one.")
+    ctx.consumed = True
+    gh, gw, consumed = ctx.saved_tensors
+    torch.ops.fxfuse.linear_cross_entropy_scale_grads_(gh, gw, gh.new_empty(0), g_carrier, consumed)
+    return (gh if fh else None, gw if fw else None) + rest
+
+
+vocab_parallel_log_probs_loss_fwd.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+
+_lib.define(
+    "vocab_parallel_log_probs_loss(Tensor hidden, Tensor weight, Tensor index, int vocab_size, str group_name, "
+    "float temperature, float softcap, bool return_entropy, int chunk_bytes, str tail, Tensor[] tail_tensors, "
+    "SymInt[] tail_ints) -> (Tensor, Tensor, Tensor)")
+
+
+def _loss_composite(hidden, weight, index, vocab_size, group_name, temperature, softcap, return_entropy, chunk_bytes,
+                    tail, tail_tensors, tail_ints):
+    h2, i1, gh, gw, _gb = flatten_and_grad_flags(hidden, weight, index, None)
+    logp, ent, carrier = torch.ops.fxfuse.vocab_parallel_log_probs_loss_fwd(
+        h2, weight, i1, vocab_size, group_name, float(temperature), float(softcap), bool(return_entropy), gh, gw,
+        int(chunk_bytes), tail, list(tail_tensors), list(tail_ints))[:3]
+    return logp, ent, carrier
+
+
+_lib.impl("vocab_parallel_log_probs_loss", _loss_composite, "CompositeImplicitAutograd")
 
 
 # ================================================================================================ public API
