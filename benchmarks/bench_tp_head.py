@@ -206,9 +206,11 @@ def main():
                     m.zero_grad(set_to_none=True)
                     h.grad = None
                 if impl.startswith("fxfuse"):
-                    row["fused"] = [f"{r.pass_name}: {r.status} {r.reason[:100]}" for rep in fxfuse.reports()
-                                    for r in rep.records if r.pass_name in ("linear_cross_entropy",
-                                                                            "linear_log_probs")][-1:]
+                    recs = [f"{r.pass_name}: {r.status} {r.reason[:100]}" for rep in fxfuse.reports()
+                            for r in rep.records]
+                    row["fused"] = [next((x for x in reversed(recs) if x.startswith(p)), f"{p}: no site")
+                                    for p in (("linear_log_probs", "log_probs_loss") if a.loss.startswith("logp")
+                                              else ("linear_cross_entropy",))]
             except Exception as e:  # noqa: BLE001  (a row that fails is reported, the others still run)
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             if rank == 0:
