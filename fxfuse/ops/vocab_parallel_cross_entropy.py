@@ -42,13 +42,14 @@ from ..errors import FxFuseError
 from ._lm_head import LM_HEAD_DTYPES, check_class_indices, chunk_budget, flatten_and_grad_flags
 from . import linear_cross_entropy  # noqa: F401  (registers the scale_grads_ op this backward reuses)
 
-__all__ = ["vocab_parallel_cross_entropy", "vocab_slice"]
+__all__ = ["combine_row_stats", "local_targets", "process_group", "vocab_parallel_cross_entropy", "vocab_slice"]
 
 _OP = "fxfuse::vocab_parallel_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _group(group_name: str):
+def process_group(group_name: str):
+    """The process group a vocabulary-parallel op is given by name (a graph can carry a string, not a group)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
@@ -78,7 +79,7 @@ def _check(hidden, weight, target, vocab_size, reduction, softcap, world=None, r
                    f"(rows {start}..{start + length - 1})")
 
 
-def _local_targets(target: Tensor, start: int, length: int, ignore_index: int) -> Tensor:
+def local_targets(target: Tensor, start: int, length: int, ignore_index: int) -> Tensor:
     """The rank's view of the targets: a class it holds as its local row, one it does not as ``length`` (outside
     [0, length): "absent", the row counts without a one-hot term; ``length + 1`` if ``length`` is the ignore_index),
     ignored rows as ``ignore_index``."""
@@ -89,7 +90,7 @@ def _local_targets(target: Tensor, start: int, length: int, ignore_index: int) -
 
 
 # ================================================================================================ ops
-def _combine_stats(mx: Tensor, ls: Tensor, pg) -> Tuple[Tensor, Tensor]:
+def combine_row_stats(mx: Tensor, ls: Tensor, pg) -> Tuple[Tensor, Tensor]:
     """The whole vocabulary's row max M and log S = log sum_r exp(mx_r - M + ls_r) from each rank's (mx, ls):
     one all-reduce MAX (fp32: the ranks' maxima are exact kernel values), one SUM in fp64 (a peaked row's
     S = 1 + 1e-5 keeps its 1e-5)."""
@@ -125,13 +126,13 @@ def vocab_parallel_cross_entropy_fwd(
     reduction: str, softcap: float, scale: float, chunk_bytes: int, grad_in_forward: bool, grad_hidden: bool,
     grad_weight: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    pg = _group(group_name)
+    pg = process_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     _check(hidden, weight, target, vocab_size, reduction, softcap, world, rank)
     check_class_indices(_OP, target, vocab_size, ignore_index)
     start, length = vocab_slice(vocab_size, rank, world)
     target = target.long()
-    local = _local_targets(target, start, length, ignore_index)
+    local = local_targets(target, start, length, ignore_index)
     budget = chunk_budget(chunk_bytes, weight, -(-vocab_size // world))  # the same on every rank
     wh, ww = _writes(reduction, grad_in_forward, grad_hidden, grad_weight)
     empty = hidden.new_empty(0)
@@ -140,7 +141,7 @@ def vocab_parallel_cross_entropy_fwd(
         # gradient is formed (three matmuls)
         stats, zy, gh, gw = K.lce_forward_split_vocab(
             hidden, weight, local, ignore_index, reduction, softcap, scale, wh, ww, budget,
-            lambda mx, ls: _combine_stats(mx, ls, pg), -(-vocab_size // world))
+            lambda mx, ls: combine_row_stats(mx, ls, pg), -(-vocab_size // world))
         if wh:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
             dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=pg)
             gh = gh.to(hidden.dtype)
@@ -149,7 +150,7 @@ def vocab_parallel_cross_entropy_fwd(
         # this rank's row statistics and target logits; the gradients, if any, by recomputation in the backward
         zy, lse, gh, gw, _gb = K.lce_forward(hidden, weight, local, None, ignore_index, "none", softcap, scale, 0.0,
                                              False, False, False, False, budget, target_logit=True)
-        m, log_s = _combine_stats(lse[0], lse[1], pg)
+        m, log_s = combine_row_stats(lse[0], lse[1], pg)
         stats = torch.stack([m, log_s.float()])
         gh, gw = empty, hidden.new_empty(0)
     zy = zy.double()  # exactly one rank holds each target: the sum is that rank's z_y, unrounded
@@ -182,7 +183,7 @@ def vocab_parallel_cross_entropy_bwd(
                                  softcap, scale, 0.0, grad_hidden, grad_weight, False,
                                  chunk_budget(chunk_bytes, weight), grad_hidden_fp32=True)
     if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
-        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=_group(group_name))
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=process_group(group_name))
         gh = gh.to(hidden.dtype)
     return gh, gw
 

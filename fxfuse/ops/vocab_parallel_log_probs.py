@@ -43,12 +43,12 @@ from ..kernels import linear_log_probs as K
 from ..errors import FxFuseError
 from ._lm_head import LM_HEAD_DTYPES, check_class_indices, chunk_budget, flatten_and_grad_flags
 from .log_probs_loss import tail_gradients
-from .vocab_parallel_cross_entropy import _combine_stats, _group, _local_targets, vocab_slice
+from .vocab_parallel_cross_entropy import combine_row_stats, local_targets, process_group, vocab_slice
 
 __all__ = ["vocab_parallel_log_probs"]
 
 _OP = "fxfuse::vocab_parallel_log_probs"
-#: ``_local_targets``' ignore_index where every row is a real token (indices are checked to lie in [0, V))
+#: ``local_targets``' ignore_index where every row is a real token (indices are checked to lie in [0, V))
 _NO_IGNORE = -1
 
 
@@ -72,7 +72,7 @@ def _combine(lse: Tensor, ez: Optional[Tensor], zy: Tensor, held: Tensor, pg) ->
     """(M fp32, log S fp64, z_y - M fp64, E_p[z] - M fp64 or None) over the whole vocabulary from this rank's row
     statistics ``lse`` [2, N] (mx_r, ls_r), ``ez`` [N] (E_{p_r}[z] - mx_r, or None), picked logits ``zy`` [N]
     (valid where ``held``)."""
-    m, log_s = _combine_stats(lse[0], lse[1], pg)
+    m, log_s = combine_row_stats(lse[0], lse[1], pg)
     shift = (lse[0] - m).double()  # mx_r - M <= 0, exact: both are fp32 kernel values
     zym = torch.where(held, zy.double() - m.double(), 0.0)
     if ez is None:
@@ -89,13 +89,13 @@ def vocab_parallel_log_probs_fwd(
     hidden: Tensor, weight: Tensor, index: Tensor, vocab_size: int, group_name: str, temperature: float,
     softcap: float, return_entropy: bool, chunk_bytes: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    pg = _group(group_name)
+    pg = process_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     _check(hidden, weight, index, vocab_size, temperature, softcap, world, rank)
     check_class_indices(_OP, index, vocab_size, None, what="index")
     start, length = vocab_slice(vocab_size, rank, world)
     index = index.long()
-    local = _local_targets(index, start, length, _NO_IGNORE)
+    local = local_targets(index, start, length, _NO_IGNORE)
     zy, _ent, lse, ez = K.logp_forward(hidden, weight, local, None, float(temperature), float(softcap),
                                        bool(return_entropy), chunk_budget(chunk_bytes, weight),
                                        target_logit=True)[:4]
@@ -128,7 +128,7 @@ def vocab_parallel_log_probs_bwd(
                                   float(temperature), float(softcap), grad_hidden, grad_weight, False,
                                   chunk_budget(chunk_bytes, weight), grad_hidden_fp32=True)
     if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
-        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=_group(group_name))
+        dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=process_group(group_name))
         gh = gh.to(hidden.dtype)
     return gh, gw
 
@@ -189,7 +189,7 @@ def vocab_parallel_log_probs_loss_fwd(
     softcap: float, return_entropy: bool, grad_hidden: bool, grad_weight: bool, chunk_bytes: int, tail: str,
     tail_tensors: List[Tensor], tail_ints: List[int],
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    pg = _group(group_name)
+    pg = process_group(group_name)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     _check(hidden, weight, index, vocab_size, temperature, softcap, world, rank)
     check_class_indices(_OP, index, vocab_size, None, what="index")
@@ -207,7 +207,7 @@ def vocab_parallel_log_probs_loss_fwd(
     grads = tail_gradients(tail, entropy, tail_tensors, [int(i) for i in tail_ints])
     chunk_vocab = -(-vocab_size // world)
     logp, ent, gh, gw = K.logp_forward_split_vocab(
-        hidden, weight, _local_targets(index, start, length, _NO_IGNORE), float(temperature), float(softcap), entropy,
+        hidden, weight, local_targets(index, start, length, _NO_IGNORE), float(temperature), float(softcap), entropy,
         chunk_budget(chunk_bytes, weight, chunk_vocab), combine, chunk_vocab, grads, bool(grad_hidden),
         bool(grad_weight))
     if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
