@@ -95,7 +95,9 @@ def main():
         fn = m if impl == "eager" else torch.compile(m) if impl == "inductor" else torch.compile(m, backend="fxfuse")
 
         def step():
-            loss = fn(input_ids=ids, labels=labels).loss
+            out = fn(input_ids=ids, labels=labels)
+            row["logits_type"] = type(out.logits).__name__  # fxfuse's lazy logits, or a real tensor
+            loss = out.loss
             loss.backward()
             return loss
 
@@ -131,7 +133,7 @@ def main():
                 row["loss_vs_eager"] = abs(row["loss"] - eager[0])
                 row["grad_vs_eager"] = {k: float((grads[k] - eager[1][k]).abs().max()) for k in grads}
             if impl == "fxfuse":
-                row["lce_sites"] = [f"{r.status}: {r.op[:90]} {r.reason[:90]}" for rep in fxfuse.reports()
+                row["lce_sites"] = [f"{r.status}: {r.op[:200]} {r.reason[:90]}" for rep in fxfuse.reports()
                                     for r in rep.records if r.pass_name == "linear_cross_entropy"]
         except Exception as e:  # noqa: BLE001  (reported; the other impls still run)
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"

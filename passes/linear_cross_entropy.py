@@ -147,6 +147,52 @@ def _substitute_returned_logits(gm: fx.GraphModule, chain: LogitChain, still: Li
     return done
 
 
+def _gathered_weight(w):
+    """The whole lm-head weight on every rank: the vocabulary slices all-gathered, in the graph, where every rank runs
+    it (a graph function: Dynamo's and AOT's tracing see ``full_tensor``'s redistribute)."""
+    return w.full_tensor()
+
+
+def _substitute_returned_tp_logits(gm: fx.GraphModule, chain: LogitChain, still: List[fx.Node], ctx,
+                                   kept: List[str]) -> List[str]:
+    """Tensor parallelism: where the graph returns the gathered logits (the local tensor after the logits'
+    ``redistribute`` to ``Replicate()`` and ``to_local``, HF's plan), return lazy logits of the local hidden states
+    and the whole weight, all-gathered in the graph instead of the logits. Reading them then computes the projection
+    on the rank that reads, with no collective: no hang where one rank reads alone, and a gradient through a read
+    reaches the rank's weight slice through the all-gather's backward (a local slice). The weight all-gather ([V, D])
+    replaces the logits' ([tokens, V]) and the projection: done only where the tokens are at least the hidden width
+    (from the example length), where it moves no more data than the logits did; else why not goes to ``kept``.
+    Returns what was done."""
+    from torch.distributed.tensor import DTensor
+
+    done = []
+    g = gm.graph
+    out_node = next(n for n in reversed(g.nodes) if n.op == "output")
+    hv = node_val(chain.hidden)
+    tokens = numel_hint(hv) // max(1, int(hv.shape[-1]))
+    for i, x in enumerate(chain.nodes):
+        if x not in still or out_node not in x.users or isinstance(node_val(x), DTensor):
+            continue
+        kinds = [op_kind(n) for n in chain.nodes[1:i + 1]]
+        if "to_local" not in kinds or any(k not in _ELEMENTWISE + ("redistribute", "to_local") for k in kinds):
+            continue  # a DTensor, or a view / slice of the logits, is returned: keep it real
+        if tokens < int(hv.shape[-1]):
+            kept.append(f"{x.name}: {tokens} tokens, fewer than the hidden width {int(hv.shape[-1])} (all-gathering "
+                        f"the weight for lazy logits would move more than the logits)")
+            continue
+        recipe = list(_recipe_of(chain.nodes[1:i + 1]))
+        with g.inserting_before(out_node):
+            h = g.call_method("to_local", (chain.hidden,))
+            w = g.call_function(_gathered_weight, (chain.weight,))
+        rebuild = functools.partial(_make_logits, recipe=recipe, weight_transposed=False, dtype=node_val(x).dtype)
+        if ctx.substitute_output(gm, x, [h, w, None], rebuild):
+            done.append(x.name)
+        else:
+            g.erase_node(w)
+            g.erase_node(h)
+    return done
+
+
 def _recipe_of(nodes: List[fx.Node]):
     """The value-changing ops among ``nodes`` (a part of the logit chain), to replay on materialised logits."""
     for n in nodes:
@@ -283,13 +329,20 @@ def _rewrite_vocab_parallel_site(gm: fx.GraphModule, node: fx.Node, kind: str, c
         g.erase_node(log_softmax)
     erased = erase_unused(g, chain_nodes)
     still = [n for n in chain_nodes if n not in erased]
+    lazy, kept = [], []
+    if still and ctx.pass_option("logits", "lazy") == "lazy":
+        lazy = _substitute_returned_tp_logits(gm, chain, still, ctx, kept)
+        if lazy:
+            erased += erase_unused(g, still)
+            still = [n for n in still if n not in erased]
     rows_x_vocab = numel_hint(node_val(z))
     # at least each rank's fp32 slice of the softmax the loss saves (a gathered lm-head held the whole of it)
     ctx.fused(fused, f"{kind} <- {op_kind(chain.projection)} over a vocabulary split between ranks "
-                     f"(tensor parallelism; reduction {reduction})",
+                     f"(tensor parallelism; reduction {reduction})" + ("; returned logits are lazy (the weight "
+                                                                        "gathered instead)" if lazy else ""),
               saved_bytes=rows_x_vocab * 4 // split.world, reduction=reduction, softcap=chain.softcap, scale=chain.scale,
               ignore_index=int(consts["ignore_index"]), vocab_parallel=True, group=split.group_name,
-              tokens_x_vocab=rows_x_vocab,
+              tokens_x_vocab=rows_x_vocab, lazy_logits_outputs=lazy, logits_kept_real_because=kept,
               logits_still_materialised_for=[u.name for n in still for u in n.users if u not in still],
               target_source=target_source(target))
     return True

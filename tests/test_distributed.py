@@ -244,8 +244,16 @@ def _train_tp(rank, world, case):
                 fully_shard(layer, mesh=mesh2["dp"])
             fully_shard(m, mesh=mesh2["dp"])
 
+        # transformers' plan: the model compiled whole, as the Trainer does, returning its (gathered) logits too
+        model = torch.compile(m, backend="fxfuse", options=AOT) if case == "tp_hf_plan" and mode == "fxfuse" else m
+        returned = []
+
         def step(ids, labels):
-            if case in ("tp_hf_plan", "tp_fsdp2_regions"):
+            if case == "tp_hf_plan":
+                o = model(input_ids=ids, labels=labels, use_cache=False)
+                returned.append(o.logits)
+                return o.loss
+            if case == "tp_fsdp2_regions":
                 return m(input_ids=ids, labels=labels, use_cache=False).loss
             h = m.model(input_ids=ids, use_cache=False).last_hidden_state
             if case.startswith("tp_log_probs"):  # RL: per-token log-probs of the sampled tokens, weighted
@@ -264,8 +272,8 @@ def _train_tp(rank, world, case):
                 logits = m.lm_head(h)
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-        fn = step if mode == "eager" or case == "tp_fsdp2_regions" else torch.compile(step, backend="fxfuse",
-                                                                                     options=AOT)
+        fn = step if mode == "eager" or case in ("tp_fsdp2_regions", "tp_hf_plan") else \
+            torch.compile(step, backend="fxfuse", options=AOT)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with parallel_loss():
                 loss = fn(ids, labels)
@@ -283,8 +291,22 @@ def _train_tp(rank, world, case):
         def full(t):
             return t.full_tensor() if isinstance(t, DTensor) else t
 
+        logits = {}
+        if case == "tp_hf_plan":  # the returned logits: lazy, not computed unless read, then read by rank 0 alone
+            import torch.distributed as dist
+
+            from fxfuse.lazy import materialized_at
+
+            before = sum(materialized_at.values())
+            logits["type"] = type(returned[0]).__name__
+            if rank == 0:
+                logits["rows"] = returned[0][:, :3].float().tolist()
+            logits["materialised_unread"] = before
+            dist.barrier()  # rank 1 never read them: a collective inside the read would hang here
+
         out[mode] = {"loss": float(full(loss)), "loss_is_dtensor": isinstance(loss, DTensor), "lengths": lengths,
                      "frames_after_lengths": len(torch._dynamo.utils.get_compilation_metrics()) - frames,
+                     "logits": logits,
                      "head_split": isinstance(m.lm_head.weight, DTensor)
                      and m.lm_head.weight.to_local().shape[0] < m.lm_head.weight.shape[0],
                      "grad": full(m.lm_head.weight.grad).tolist(),
@@ -502,6 +524,10 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
         "fxfuse::vocab_parallel_cross_entropy"
     ran = any(o.startswith(op) for o in fx["ops"])
     assert ran == (status == "fused"), (fx["ops"], got["lce_sites"])
+    if case == "tp_hf_plan":  # the model's returned logits: lazy, never computed unread, rank 0's read equals eager's
+        assert fx["logits"]["type"] == "LazyLogits" and fx["logits"]["materialised_unread"] == 0, fx["logits"]
+        torch.testing.assert_close(torch.tensor(fx["logits"]["rows"]), torch.tensor(ea["logits"]["rows"]),
+                                   rtol=1e-5, atol=1e-6)
     if case.startswith("tp_log_probs"):  # the loss in the same graph: the gradients formed in the forward
         assert got["loss_sites"] and all(st == "fused" for st, _ in got["loss_sites"]), got["loss_sites"]
         assert any(o.startswith("fxfuse::vocab_parallel_log_probs_loss") for o in fx["ops"]), fx["ops"]
