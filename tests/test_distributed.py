@@ -303,6 +303,11 @@ def _train_tp(rank, world, case):
                 logits["rows"] = returned[0][:, :3].float().tolist()
             logits["materialised_unread"] = before
             dist.barrier()  # rank 1 never read them: a collective inside the read would hang here
+            # a loss on the logits themselves, every rank: its gradient goes through the read into the rank's slice
+            m.zero_grad(set_to_none=True)
+            o = model(input_ids=ids, labels=labels, use_cache=False)
+            (o.logits.float().pow(2).mean() * 10).backward()
+            logits["read_grads"] = [full(m.lm_head.weight.grad).tolist(), full(m.model.embed_tokens.weight.grad).tolist()]
 
         out[mode] = {"loss": float(full(loss)), "loss_is_dtensor": isinstance(loss, DTensor), "lengths": lengths,
                      "frames_after_lengths": len(torch._dynamo.utils.get_compilation_metrics()) - frames,
@@ -528,6 +533,8 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
         assert fx["logits"]["type"] == "LazyLogits" and fx["logits"]["materialised_unread"] == 0, fx["logits"]
         torch.testing.assert_close(torch.tensor(fx["logits"]["rows"]), torch.tensor(ea["logits"]["rows"]),
                                    rtol=1e-5, atol=1e-6)
+        for f, e in zip(fx["logits"]["read_grads"], ea["logits"]["read_grads"]):  # lm-head, embeddings
+            torch.testing.assert_close(torch.tensor(f), torch.tensor(e), rtol=1e-4, atol=1e-6)
     if case.startswith("tp_log_probs"):  # the loss in the same graph: the gradients formed in the forward
         assert got["loss_sites"] and all(st == "fused" for st, _ in got["loss_sites"]), got["loss_sites"]
         assert any(o.startswith("fxfuse::vocab_parallel_log_probs_loss") for o in fx["ops"]), fx["ops"]
