@@ -266,12 +266,34 @@ def main(impl):
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
+    # FSDP_TP=N: 2-D parallelism, FSDP2 over world / N data ranks x tensor parallelism over N (torchtitan's Llama
+    # plan on each layer: q/k/v and gate/up column-split, o and down row-split; the lm-head split over the
+    # vocabulary, its logits gathered as HF's plan does); each data rank its own rows, its TP ranks the same
+    tp = int(os.environ.get("FSDP_TP", 1))
+    dp_mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh2 = init_device_mesh(dev.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh = mesh2["dp"]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in layers:
+            parallelize_module(layer, mesh2["tp"], {
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(base, mesh2["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
     if impl in ("inductor-regional", "fxfuse-layer"):  # per layer before sharding: hooks outside the region
         backend = "fxfuse" if impl == "fxfuse-layer" else "inductor"
         for layer in layers:
             layer.forward = torch.compile(layer.forward, backend=backend)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if not small else None
     kw = dict(mp_policy=mp) if mp else {}
+    if dp_mesh is not None:
+        kw["mesh"] = dp_mesh
     for layer in layers:
         fully_shard(layer, **kw)
     tail = os.environ.get("FSDP_TAIL") == "1"
@@ -306,7 +328,7 @@ def main(impl):
         raise SystemExit(f"FSDP_OPT={opt_impl!r}: foreach or fused")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, **{opt_impl: True})
     B, S = (2, 64) if small else (int(os.environ.get("FSDP_ROWS", 2)), int(os.environ.get("FSDP_SEQ", 2048)))
-    g = torch.Generator(device=dev).manual_seed(100 + rank)
+    g = torch.Generator(device=dev).manual_seed(100 + (dp_mesh.get_local_rank() if dp_mesh is not None else rank))
     ids = torch.randint(0, cfg.vocab_size, (B, S), device=dev, generator=g)
     mask, labels = None, ids
     if os.environ.get("FSDP_PAD") == "1":  # every row after the first right-padded from 3/4 of its length
@@ -413,7 +435,8 @@ def main(impl):
                triton_prewarm=os.environ.get("FXFUSE_TRITON_PREWARM", "1") != "0",
                gpus=dist.get_world_size(),
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
-               "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / dt), step_ms=round(dt * 1e3, 1),
+               "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / tp / dt), step_ms=round(dt * 1e3, 1),
+               tensor_parallel=tp,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], step_host_ms_all=[round(t * 1e3, 1) for t in host], first_step_s=round(first, 1),
                setup_s=round(setup, 1), start_to_first_step_s=round(setup + first, 1),
