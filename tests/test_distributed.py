@@ -178,7 +178,8 @@ def _train_tp(rank, world, case):
     ``tp_local_slice`` each rank's local slice of the logits into a plain cross-entropy (a per-rank loss over part
     of the vocabulary: eager's semantics, which a vocabulary-parallel loss would change); ``tp_hf_plan`` the whole
     model under transformers' own tensor-parallel plan (``from_pretrained(tp_plan="auto")``: its lm-head gathers
-    the logits) and its loss (``labels=``), compiled whole; ``tp_fsdp2_regions`` four ranks, a 2 x 2 (data, tensor)
+    the logits) and its loss (``labels=``), compiled whole (its returned logits lazy; ``tp_hf_plan_few_tokens``
+    with fewer tokens than the hidden width: kept real); ``tp_fsdp2_regions`` four ranks, a 2 x 2 (data, tensor)
     mesh: the lm-head split over the vocabulary on the tensor dim, FSDP2 over the data dim (each data rank its own
     rows), ``compile_regions`` and the model's loss; ``tp_log_probs`` a gathered head's per-token log-probs
     (``log_softmax(...).gather``) in a GRPO-like weighted sum, ``tp_log_probs_entropy`` the same plus an entropy
@@ -201,6 +202,9 @@ def _train_tp(rank, world, case):
         ids = ids[dp * 2:(dp + 1) * 2]
     else:
         mesh = init_device_mesh("cpu", (world,))
+    if case == "tp_hf_plan_few_tokens":
+        ids = ids[:, :4]  # 16 tokens, fewer than the hidden width (32)
+    hf = case.startswith("tp_hf_plan")
     labels = torch.roll(ids, -1, 1)
     labels[:, :3] = -100
     if case == "tp_local_slice":
@@ -213,7 +217,7 @@ def _train_tp(rank, world, case):
         case, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     parallel_loss = loss_parallel if case in ("tp_loss_parallel", "tp_linear_softcap") else contextlib.nullcontext
     saved = [None]
-    if case == "tp_hf_plan":  # a checkpoint for from_pretrained, written by rank 0
+    if hf:  # a checkpoint for from_pretrained, written by rank 0
         import tempfile
 
         import torch.distributed as dist
@@ -225,7 +229,7 @@ def _train_tp(rank, world, case):
     out = {}
     for mode in ("eager", "fxfuse"):
         torch.manual_seed(0)
-        if case == "tp_hf_plan":
+        if hf:
             import transformers as tf
 
             m = tf.AutoModelForCausalLM.from_pretrained(saved[0], tp_plan="auto", dtype=torch.float32,
@@ -245,11 +249,11 @@ def _train_tp(rank, world, case):
             fully_shard(m, mesh=mesh2["dp"])
 
         # transformers' plan: the model compiled whole, as the Trainer does, returning its (gathered) logits too
-        model = torch.compile(m, backend="fxfuse", options=AOT) if case == "tp_hf_plan" and mode == "fxfuse" else m
+        model = torch.compile(m, backend="fxfuse", options=AOT) if hf and mode == "fxfuse" else m
         returned = []
 
         def step(ids, labels):
-            if case == "tp_hf_plan":
+            if hf:
                 o = model(input_ids=ids, labels=labels, use_cache=False)
                 returned.append(o.logits)
                 return o.loss
@@ -272,7 +276,7 @@ def _train_tp(rank, world, case):
                 logits = m.lm_head(h)
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-        fn = step if mode == "eager" or case in ("tp_fsdp2_regions", "tp_hf_plan") else \
+        fn = step if mode == "eager" or case == "tp_fsdp2_regions" or hf else \
             torch.compile(step, backend="fxfuse", options=AOT)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             with parallel_loss():
@@ -291,14 +295,14 @@ def _train_tp(rank, world, case):
         def full(t):
             return t.full_tensor() if isinstance(t, DTensor) else t
 
-        logits = {}
+        grads = {"grad": full(m.lm_head.weight.grad).tolist(), "embed_grad": full(m.model.embed_tokens.weight.grad).tolist()}
+        logits = {"type": type(returned[0]).__name__} if hf else {}
         if case == "tp_hf_plan":  # the returned logits: lazy, not computed unless read, then read by rank 0 alone
             import torch.distributed as dist
 
             from fxfuse.lazy import materialized_at
 
             before = sum(materialized_at.values())
-            logits["type"] = type(returned[0]).__name__
             if rank == 0:
                 logits["rows"] = returned[0][:, :3].float().tolist()
             logits["materialised_unread"] = before
@@ -314,8 +318,7 @@ def _train_tp(rank, world, case):
                      "logits": logits,
                      "head_split": isinstance(m.lm_head.weight, DTensor)
                      and m.lm_head.weight.to_local().shape[0] < m.lm_head.weight.shape[0],
-                     "grad": full(m.lm_head.weight.grad).tolist(),
-                     "embed_grad": full(m.model.embed_tokens.weight.grad).tolist(),
+                     **grads,
                      "ops": sorted({e.name for e in prof.events() if e.name.startswith("fxfuse::")}),
                      # all-gathers that ran (gloo's own events: Dynamo's and AOT's tracing in the first call also
                      # dispatches the functional collectives, on fake tensors)
@@ -324,7 +327,9 @@ def _train_tp(rank, world, case):
              if r.pass_name == ("linear_log_probs" if case.startswith("tp_log_probs") else "linear_cross_entropy")]
     loss_sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
                   if r.pass_name == "log_probs_loss"]
-    return {**out, "lce_sites": sites, "loss_sites": loss_sites}
+    kept_real = [x for rep in fxfuse.reports() for r in rep.records if r.pass_name == "linear_cross_entropy"
+                 for x in r.detail.get("logits_kept_real_because", [])]
+    return {**out, "lce_sites": sites, "loss_sites": loss_sites, "logits_kept_real_because": kept_real}
 
 
 def _gloo_worker_threads():
@@ -501,6 +506,7 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     ("tp_gathered", "fused", ""),       # the logits' all-gather gone
     ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
     ("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
+    ("tp_hf_plan_few_tokens", "fused", ""),  # the same with fewer tokens than the hidden width: logits kept real
     ("tp_loss_parallel", "fused", ""),
     ("tp_log_probs", "fused", ""),      # fxfuse::vocab_parallel_log_probs
     ("tp_log_probs_entropy", "fused", ""),  # the same with the entropy
@@ -529,6 +535,9 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
         "fxfuse::vocab_parallel_cross_entropy"
     ran = any(o.startswith(op) for o in fx["ops"])
     assert ran == (status == "fused"), (fx["ops"], got["lce_sites"])
+    if case == "tp_hf_plan_few_tokens":  # gathering the weight would move more than the logits: they stay real
+        assert fx["logits"]["type"] == "Tensor" and "fewer than the hidden width" in \
+            " ".join(got["logits_kept_real_because"]), (fx["logits"], got["logits_kept_real_because"])
     if case == "tp_hf_plan":  # the model's returned logits: lazy, never computed unread, rank 0's read equals eager's
         assert fx["logits"]["type"] == "LazyLogits" and fx["logits"]["materialised_unread"] == 0, fx["logits"]
         torch.testing.assert_close(torch.tensor(fx["logits"]["rows"]), torch.tensor(ea["logits"]["rows"]),

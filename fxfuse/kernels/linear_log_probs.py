@@ -354,6 +354,18 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     return out[:7] + (out[7],)
 
 
+def _chunk_into_grads(bwd, buf, index, stats, ez, grads, entropy: bool, temperature: float, softcap: float):
+    """Turn a projected chunk into d loss / d logits in place (the backward row step), for the chunk's per-token
+    upstream gradients ``grads = (g_logp, g_ent)`` (either None: no term; both None: zeros) and its row statistics
+    ``stats`` [2, C] and ``ez`` [C] (E_p[z] - max, read only with an entropy gradient)."""
+    g_logp, g_ent = grads
+    if g_ent is not None and not entropy:
+        raise ValueError("an entropy gradient without the entropy")
+    if g_logp is None and g_ent is None:
+        g_logp = torch.zeros(buf.shape[0], dtype=torch.float32, device=buf.device)
+    bwd(buf, index, stats, ez if g_ent is not None else None, g_logp, g_ent, temperature, softcap)
+
+
 def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, softcap: float, entropy: bool,
                             chunk_bytes: int, chunk_grads, need_gh: bool, need_gw: bool, need_gb: bool,
                             top1: bool = False, mean_logits: bool = False, log_sum_sq_probs: bool = False,
@@ -386,13 +398,8 @@ def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, sof
             temperature, softcap, top[s:e] if top1 else None, mean[s:e] if mean_logits else None,
             lsq[s:e] if log_sum_sq_probs else None, target_logit)
         if chunk_grads is not None:  # the same chunk, now with its row statistics: d / d logits, in place
-            g_logp, g_ent = chunk_grads(s, e, logp, ent)
-            if g_ent is not None and not entropy:
-                raise ValueError("an entropy gradient without the entropy")
-            if g_logp is None and g_ent is None:
-                g_logp = torch.zeros(e - s, dtype=torch.float32, device=dev)
-            bwd(buf, index[s:e], lse[:, s:e], ez[s:e] if g_ent is not None else None, g_logp, g_ent,
-                temperature, softcap)
+            _chunk_into_grads(bwd, buf, index[s:e], lse[:, s:e], ez[s:e] if entropy else None,
+                              chunk_grads(s, e, logp, ent), entropy, temperature, softcap)
 
     need_gb = need_gb and bias is not None
     grads = chunk_loop(hidden, weight, bias, step, need_gh, need_gw, need_gb, chunk_bytes, chunk_grads is not None)
@@ -437,12 +444,7 @@ def logp_forward_split_vocab(hidden, weight, local_index, temperature: float, so
         logp[s:e].copy_(lp)
         if entropy:
             ent[s:e].copy_(en)
-        g_logp, g_ent = chunk_grads(s, e, logp, ent)
-        if g_ent is not None and not entropy:
-            raise ValueError("an entropy gradient without the entropy")
-        if g_logp is None and g_ent is None:
-            g_logp = torch.zeros(e - s, **f32)
-        bwd(buf, idx, stats, ez if g_ent is not None else None, g_logp, g_ent, temperature, softcap)
+        _chunk_into_grads(bwd, buf, idx, stats, ez, chunk_grads(s, e, logp, ent), entropy, temperature, softcap)
 
     gh, gw, _gb = chunk_loop(hidden, weight, None, step, need_gh, need_gw, False, chunk_bytes, True,
                              grad_hidden_fp32=True, chunk_vocab=chunk_vocab)
