@@ -193,6 +193,31 @@ def _match_selected_minus_lse(sub: fx.Node) -> Tuple[Optional[_Site], str]:
     return _Site(sub, z, None, idx, sub, keepdim, erase, entropy[-1] if entropy else None), ""
 
 
+def _op_outputs(g: fx.Graph, fused: fx.Node, site: _Site, index: fx.Node) -> List[Tuple[fx.Node, fx.Node]]:
+    """At the insertion point: (replaced node, its replacement) for the site's log-probs (and entropy), read from
+    the fused op's outputs 0 (and 1) in the shapes and dtypes the graph had."""
+    outs = [(site.logp_out, 0, site.idx if site.logp_keepdim else index)]
+    if site.entropy_out is not None:
+        outs.append((site.entropy_out, 1, index))
+    repl = []
+    for old, i, like in outs:
+        new = g.call_method("view_as", (g.call_function(operator.getitem, (fused, i)), like))
+        if node_val(old).dtype != torch.float32:
+            new = g.call_method("to", (new, node_val(old).dtype))
+        repl.append((old, new))
+    return repl
+
+
+def _replace_site(g: fx.Graph, site: _Site, chain: LogitChain, repl) -> List[fx.Node]:
+    """Points the site's readers at the op's outputs, erases what the site replaced and what of the logit chain is
+    left unused (returned)."""
+    for old, new in repl:
+        old.replace_all_uses_with(new)
+    for n in site.erase:
+        g.erase_node(n)
+    return erase_unused(g, chain.nodes)
+
+
 def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
     g = gm.graph
     what = "log_softmax + gather" if op_kind(site.anchor) == "log_softmax" else "selected logit - logsumexp"
@@ -233,20 +258,8 @@ def _rewrite(gm: fx.GraphModule, site: _Site, ctx) -> bool:
                                 (h, chain.weight, index, chain.bias, float(temperature), float(softcap), entropy,
                                  chunk_bytes_option(ctx)))
         copy_node_meta(fused, site.anchor)
-        outs = [(site.logp_out, 0, site.idx if site.logp_keepdim else index)]
-        if entropy:
-            outs.append((site.entropy_out, 1, index))
-        repl = []
-        for old, i, like in outs:
-            new = g.call_method("view_as", (g.call_function(operator.getitem, (fused, i)), like))
-            if node_val(old).dtype != torch.float32:
-                new = g.call_method("to", (new, node_val(old).dtype))
-            repl.append((old, new))
-    for old, new in repl:
-        old.replace_all_uses_with(new)
-    for n in site.erase:
-        g.erase_node(n)
-    dead = erase_unused(g, chain.nodes)
+        repl = _op_outputs(g, fused, site, index)
+    dead = _replace_site(g, site, chain, repl)
     saved = 0
     for n in dead + [x for x in site.erase if op_kind(x) in ("log_softmax", "logsumexp", "exp", "softmax", "mul")]:
         v = node_val(n)
@@ -290,18 +303,8 @@ def _rewrite_vocab_parallel(gm: fx.GraphModule, site: _Site, chain: LogitChain, 
                                 (h, w, t, split.vocab_size, split.group_name, float(temperature), float(softcap),
                                  entropy, chunk_bytes_option(ctx)))
         copy_node_meta(fused, site.anchor)
-        repl = []
-        for old, i, like in [(site.logp_out, 0, site.idx if site.logp_keepdim else index)] + \
-                ([(site.entropy_out, 1, index)] if entropy else []):
-            new = g.call_method("view_as", (g.call_function(operator.getitem, (fused, i)), like))
-            if node_val(old).dtype != torch.float32:
-                new = g.call_method("to", (new, node_val(old).dtype))
-            repl.append((old, new))
-    for old, new in repl:
-        old.replace_all_uses_with(new)
-    for n in site.erase:
-        g.erase_node(n)
-    dead = erase_unused(g, chain.nodes)
+        repl = _op_outputs(g, fused, site, index)
+    dead = _replace_site(g, site, chain, repl)
     ctx.fused(fused, f"{what}{' + entropy' if entropy else ''} <- {op_kind(chain.projection)} over a vocabulary "
                      f"split between ranks (tensor parallelism): vocab_parallel_log_probs",
               saved_bytes=numel_hint(node_val(site.z)) * 4 // split.world, vocab_parallel=True, group=split.group_name,

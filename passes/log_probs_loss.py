@@ -234,6 +234,18 @@ def _needs_grad(*vals) -> bool:
     return any(isinstance(v, torch.Tensor) and v.requires_grad for v in vals)
 
 
+def _value_outputs(op: fx.Node, ctx, what: str, why: str) -> Optional[Dict[int, fx.Node]]:
+    """The op's log-probs / entropy readers by output index (0, 1), or None (the site skipped with ``why``) where
+    anything else reads the op."""
+    roots = {}
+    for u in op.users:
+        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
+            ctx.skipped(op, what, f"left to the backward: {why}")
+            return None
+        roots[u.args[1]] = u
+    return roots
+
+
 def _rewrite_log_probs(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
     what = "log-probs loss"
     if len(op.args) > 8 and any(op.args[8:]):
@@ -248,12 +260,9 @@ def _rewrite_log_probs(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
         # upstream gradient (one projection, as here) without running the loss per chunk
         ctx.skipped(op, what, "not needed: a frozen head's log-probs already project the logits once")
         return False
-    roots = {}
-    for u in op.users:
-        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
-            ctx.skipped(op, what, "left to the backward: the op's other statistics are read")
-            return False
-        roots[u.args[1]] = u
+    roots = _value_outputs(op, ctx, what, "the op's other statistics are read")
+    if roots is None:
+        return False
     return _rewrite(gm, op, ctx, what, roots, tuple(op.args[:8]), _needs_grad(wv, bv))
 
 
@@ -266,12 +275,9 @@ def _rewrite_vocab_parallel(gm: fx.GraphModule, op: fx.Node, ctx) -> bool:
     hv, wv = node_val(op.args[0]), node_val(op.args[1])
     if not _needs_grad(hv, wv):
         return False
-    roots = {}
-    for u in op.users:
-        if u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1):
-            ctx.skipped(op, what, "left to the backward: the op's outputs are read as a whole")
-            return False
-        roots[u.args[1]] = u
+    roots = _value_outputs(op, ctx, what, "the op's outputs are read as a whole")
+    if roots is None:
+        return False
     return _rewrite(gm, op, ctx, what, roots, tuple(op.args[:9]), _needs_grad(wv),
                     loss_op=torch.ops.fxfuse.vocab_parallel_log_probs_loss.default)
 

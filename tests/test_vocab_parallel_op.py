@@ -32,6 +32,29 @@ V, N, D = 127, 37, 24
 CHUNK_BYTES = 63 * 4 * 10
 
 
+def _finish(rank, result_path, rows, contract):
+    """A worker's end, every rank: leave the group together; rank 0 writes what the test reads (nothing if the
+    worker raised before its last check: ``contract`` still None, the error then fails the test)."""
+    import torch.distributed as dist
+
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if rank == 0 and contract is not None:
+        with open(result_path, "w") as f:
+            json.dump({"rows": rows, "contract": contract}, f)
+
+
+def _two_ranks(worker, path, tmp_path):
+    """``worker`` on two gloo ranks (the Triton path needs triton); what rank 0 wrote."""
+    if path == "triton":
+        pytest.importorskip("triton")
+    result = tmp_path / "result.json"
+    _spawn(worker, (2, _free_port(), path, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
+    return json.loads(result.read_text())
+
+
 def _cases(path):
     for dt in (torch.float32,) + ((torch.bfloat16,) if path == "torch" else ()):
         for softcap, scale in ((0.0, 1.0), (5.0, 0.5)):
@@ -53,7 +76,7 @@ def _worker(rank, world, port, path, result_path):
 
     K.FORCE_TRITON = path == "triton"
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = []
+    rows, contract = [], None
     try:
         start, length = vocab_slice(V, rank, world)
         for dt, softcap, scale, reduction in _cases(path):
@@ -102,20 +125,12 @@ def _worker(rank, world, port, path, result_path):
         except FxFuseContractError as e:
             contract = str(e)
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump({"rows": rows, "contract": contract}, f)
+        _finish(rank, result_path, rows, contract)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_two_ranks_match_the_float64_whole_vocabulary_loss(path, tmp_path):
-    if path == "triton":
-        pytest.importorskip("triton")
-    result = tmp_path / "result.json"
-    _spawn(_worker, (2, _free_port(), path, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
-    got = json.loads(result.read_text())
+    got = _two_ranks(_worker, path, tmp_path)
     assert len(got["rows"]) == len(list(_cases(path)))
     for r in got["rows"]:
         assert r["same_on_ranks"], r
@@ -161,7 +176,7 @@ def _logp_worker(rank, world, port, path, result_path):
 
     K.FORCE_TRITON = path == "triton"
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rows = []
+    rows, contract = [], None
     global TAIL
     TAIL = _tail_text()
     try:
@@ -234,20 +249,12 @@ def _logp_worker(rank, world, port, path, result_path):
         except FxFuseContractError as e:
             contract = str(e)
     finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump({"rows": rows, "contract": contract}, f)
+        _finish(rank, result_path, rows, contract)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_two_ranks_log_probs_and_entropy_match_the_float64_whole_vocabulary(path, tmp_path):
-    if path == "triton":
-        pytest.importorskip("triton")
-    result = tmp_path / "result.json"
-    _spawn(_logp_worker, (2, _free_port(), path, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
-    got = json.loads(result.read_text())
+    got = _two_ranks(_logp_worker, path, tmp_path)
     assert len(got["rows"]) == len(list(_logp_cases(path)))
     for r in got["rows"]:
         assert r["same_on_ranks"], r

@@ -42,7 +42,8 @@ from ..errors import FxFuseError
 from ._lm_head import LM_HEAD_DTYPES, check_class_indices, chunk_budget, flatten_and_grad_flags
 from . import linear_cross_entropy  # noqa: F401  (registers the scale_grads_ op this backward reuses)
 
-__all__ = ["combine_row_stats", "local_targets", "process_group", "vocab_parallel_cross_entropy", "vocab_slice"]
+__all__ = ["check_rank_slice", "combine_row_stats", "local_targets", "process_group", "vocab_parallel_cross_entropy",
+           "vocab_slice"]
 
 _OP = "fxfuse::vocab_parallel_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -72,11 +73,17 @@ def _check(hidden, weight, target, vocab_size, reduction, softcap, world=None, r
     if softcap < 0:
         c.fail(f"softcap must be > 0 (or 0 for none), got {softcap}")
     if world is not None:
-        start, length = vocab_slice(vocab_size, rank, world)
-        if weight.shape[0] != length:
-            c.fail(f"rank {rank} of {world} holds {weight.shape[0]} vocabulary rows of the weight, but a "
-                   f"{vocab_size}-entry vocabulary split as torch.chunk / DTensor Shard(0) gives it {length} "
-                   f"(rows {start}..{start + length - 1})")
+        check_rank_slice(c, weight, vocab_size, rank, world)
+
+
+def check_rank_slice(c: OpContract, weight: Tensor, vocab_size: int, rank: int, world: int) -> None:
+    """The contract every vocabulary-parallel op checks: ``weight`` holds exactly rank ``rank``'s rows of the
+    vocabulary, split as torch.chunk / DTensor Shard(0) split it."""
+    start, length = vocab_slice(vocab_size, rank, world)
+    if weight.shape[0] != length:
+        c.fail(f"rank {rank} of {world} holds {weight.shape[0]} vocabulary rows of the weight, but a "
+               f"{vocab_size}-entry vocabulary split as torch.chunk / DTensor Shard(0) gives it {length} "
+               f"(rows {start}..{start + length - 1})")
 
 
 def local_targets(target: Tensor, start: int, length: int, ignore_index: int) -> Tensor:

@@ -43,7 +43,8 @@ from ..kernels import linear_log_probs as K
 from ..errors import FxFuseError
 from ._lm_head import LM_HEAD_DTYPES, check_class_indices, chunk_budget, flatten_and_grad_flags
 from .log_probs_loss import tail_gradients
-from .vocab_parallel_cross_entropy import combine_row_stats, local_targets, process_group, vocab_slice
+from .vocab_parallel_cross_entropy import check_rank_slice, combine_row_stats, local_targets, process_group, \
+    vocab_slice
 
 __all__ = ["vocab_parallel_log_probs"]
 
@@ -60,11 +61,19 @@ def _check(hidden, weight, index, vocab_size, temperature, softcap, world=None, 
     if softcap < 0:
         c.fail(f"softcap must be > 0 (or 0 for none), got {softcap}")
     if world is not None:
-        start, length = vocab_slice(vocab_size, rank, world)
-        if weight.shape[0] != length:
-            c.fail(f"rank {rank} of {world} holds {weight.shape[0]} vocabulary rows of the weight, but a "
-                   f"{vocab_size}-entry vocabulary split as torch.chunk / DTensor Shard(0) gives it {length} "
-                   f"(rows {start}..{start + length - 1})")
+        check_rank_slice(c, weight, vocab_size, rank, world)
+
+
+def _rank_view(hidden, weight, index, vocab_size, group_name, temperature, softcap):
+    """Both forward ops' start: the process group, the contract checked for this rank, and the indices as int64,
+    as this rank's slice reads them (another rank's: absent) and where this rank holds them."""
+    pg = process_group(group_name)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    _check(hidden, weight, index, vocab_size, temperature, softcap, world, rank)
+    check_class_indices(_OP, index, vocab_size, None, what="index")
+    start, length = vocab_slice(vocab_size, rank, world)
+    index = index.long()
+    return pg, index, local_targets(index, start, length, _NO_IGNORE), (index >= start) & (index < start + length)
 
 
 def _combine(lse: Tensor, ez: Optional[Tensor], zy: Tensor, held: Tensor, pg) -> Tuple[Tensor, Tensor, Tensor,
@@ -89,17 +98,10 @@ def vocab_parallel_log_probs_fwd(
     hidden: Tensor, weight: Tensor, index: Tensor, vocab_size: int, group_name: str, temperature: float,
     softcap: float, return_entropy: bool, chunk_bytes: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    pg = process_group(group_name)
-    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    _check(hidden, weight, index, vocab_size, temperature, softcap, world, rank)
-    check_class_indices(_OP, index, vocab_size, None, what="index")
-    start, length = vocab_slice(vocab_size, rank, world)
-    index = index.long()
-    local = local_targets(index, start, length, _NO_IGNORE)
+    pg, index, local, held = _rank_view(hidden, weight, index, vocab_size, group_name, temperature, softcap)
     zy, _ent, lse, ez = K.logp_forward(hidden, weight, local, None, float(temperature), float(softcap),
                                        bool(return_entropy), chunk_budget(chunk_bytes, weight),
                                        target_logit=True)[:4]
-    held = (index >= start) & (index < start + length)
     m, log_s, zym, ezm = _combine(lse, ez if return_entropy else None, zy, held, pg)
     logp = (zym - log_s).float()
     stats = torch.stack([m, log_s.float()])  # the backward's row max and log S
@@ -189,13 +191,8 @@ def vocab_parallel_log_probs_loss_fwd(
     softcap: float, return_entropy: bool, grad_hidden: bool, grad_weight: bool, chunk_bytes: int, tail: str,
     tail_tensors: List[Tensor], tail_ints: List[int],
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    pg = process_group(group_name)
-    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    _check(hidden, weight, index, vocab_size, temperature, softcap, world, rank)
-    check_class_indices(_OP, index, vocab_size, None, what="index")
-    start, length = vocab_slice(vocab_size, rank, world)
-    index = index.long()
-    held = (index >= start) & (index < start + length)
+    pg, index, local, held = _rank_view(hidden, weight, index, vocab_size, group_name, temperature, softcap)
+    world = dist.get_world_size(pg)
     entropy = bool(return_entropy)
 
     def combine(s, e, zy, lse, ez):
@@ -207,7 +204,7 @@ def vocab_parallel_log_probs_loss_fwd(
     grads = tail_gradients(tail, entropy, tail_tensors, [int(i) for i in tail_ints])
     chunk_vocab = -(-vocab_size // world)
     logp, ent, gh, gw = K.logp_forward_split_vocab(
-        hidden, weight, local_targets(index, start, length, _NO_IGNORE), float(temperature), float(softcap), entropy,
+        hidden, weight, local, float(temperature), float(softcap), entropy,
         chunk_budget(chunk_bytes, weight, chunk_vocab), combine, chunk_vocab, grads, bool(grad_hidden),
         bool(grad_weight))
     if grad_hidden:  # each rank's is the part of the sum over its vocabulary slice: summed in fp32, rounded once
