@@ -7,6 +7,7 @@
         --gradient-checkpointing                                              # one 64k-token row per GPU
     torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --seq 65536 --rows 1 --cp 2
                                                                               # one 64k-token row across both GPUs
+    torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --tp 2   # tensor parallelism
 
 ``fxfuse.install()`` puts fxfuse's passes into Inductor, which ``TrainingArguments(torch_compile=True)`` (accelerate's
 inductor backend) compiles the model with; accelerate applies FSDP2 (``fully_shard`` per decoder layer and root).
@@ -19,7 +20,10 @@ passes, whether FSDP2 wrapped it, the median step time after the first two steps
 ``--seq`` / ``--rows`` set the batch, ``--pad`` right-pads rows of random lengths (HF's attention-mask path),
 ``--gradient-checkpointing`` is the Trainer's, ``--fsdp-activation-checkpointing`` accelerate's; ``--cp N`` splits each
 row's tokens over N GPUs (accelerate's ``ParallelismConfig(cp_size=N)``: torch's context parallelism, ring attention
-in SDPA; CUDA only). ``--profile`` (GPU) leaves the last two steps out of the timing and
+in SDPA; CUDA only); ``--tp N`` trains tensor-parallel instead of FSDP2: the model loaded with transformers' own
+plan (``from_pretrained(tp_plan="auto")``: attention and MLP split by heads / columns, the lm-head over the vocabulary,
+its logits gathered) and accelerate's ``ParallelismConfig(tp_size=N)`` (N = the world size; accelerate runs it on
+accelerators only). ``--profile`` (GPU) leaves the last two steps out of the timing and
 adds where their time went (GPU time by kernel kind, NCCL time no compute overlaps, the host's top ops;
 ``benchmarks/trace_summary.py``).
 """
@@ -59,6 +63,9 @@ def main():
                     help="context parallelism: each row's tokens split over this many GPUs (accelerate's "
                          "ParallelismConfig(cp_size=N), torch's ring attention in SDPA; needs CUDA and --seq a "
                          "multiple of 2 N)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor parallelism over all N ranks instead of FSDP2 (transformers' tp_plan='auto', "
+                         "accelerate's ParallelismConfig(tp_size=N); needs CUDA and N = the world size)")
     ap.add_argument("--lce-chunk-mib", type=int, default=0,
                     help="fxfuse's lm-head loss: the logits-chunk budget in MiB (pass option chunk_bytes; 0 = the "
                          "default 256 MiB). Fewer, larger chunks accumulate the head's weight gradient fewer times")
@@ -73,6 +80,9 @@ def main():
     if a.cp > 1 and (not torch.cuda.is_available() or world % a.cp):
         # torch's ring attention dispatches the CUDA SDPA kernels only (flash, efficient, cuDNN)
         ap.error(f"--cp {a.cp} needs CUDA and a world size that it divides (world size {world})")
+    if a.tp > 1 and (not torch.cuda.is_available() or world != a.tp or a.cp > 1):
+        # accelerate's ParallelismConfig refuses CPU ranks (DistributedType.MULTI_CPU)
+        ap.error(f"--tp {a.tp} needs CUDA, the world size equal to it (world size {world}) and no --cp")
     trainer_compiles = not (a.no_compile or a.regions)
     fxfuse_kw = {"pass_options": {"linear_cross_entropy": {"chunk_bytes": a.lce_chunk_mib << 20}}} if a.lce_chunk_mib else {}
     if a.passes_off:
@@ -81,19 +91,24 @@ def main():
         fxfuse.install(**fxfuse_kw)  # Inductor now runs fxfuse's passes on every graph it compiles
     torch.manual_seed(0)
     if a.model:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
+                                                     **({"tp_plan": "auto"} if a.tp > 1 else {}))
         vocab, seq = model.config.vocab_size, 2048
-    elif a.shape == "1b":
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=max(8192, a.seq or 0),
-                          tie_word_embeddings=True)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-        vocab, seq = cfg.vocab_size, 2048
     else:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=256)
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-        vocab, seq = cfg.vocab_size, 16
+        if a.shape == "1b":
+            # tied embeddings, as Llama-3.2-1B; under --tp untied (transformers' plan splits the lm-head only)
+            cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                              num_key_value_heads=8, vocab_size=128256, max_position_embeddings=max(8192, a.seq or 0),
+                              tie_word_embeddings=a.tp == 1)
+            seq = 2048
+        else:
+            cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, vocab_size=256, tie_word_embeddings=a.tp == 1)
+            seq = 16
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+        if a.tp > 1:  # transformers shards a model at load time: the same random weights on every rank, reloaded
+            model = _reload_tensor_parallel(model)
+        vocab = cfg.vocab_size
     seq = a.seq or seq
     model.config.use_cache = False
     if a.regions:
@@ -112,7 +127,11 @@ def main():
         data.append(row)
     real_tokens = sum(int(r["attention_mask"].sum()) if a.pad else seq for r in data) / len(data)
     parallel = {}
-    if a.cp > 1:  # the FSDP2 mesh then spans the context-parallel ranks too (accelerate's dp_shard_cp)
+    if a.tp > 1:
+        from accelerate import ParallelismConfig
+
+        parallel["parallelism_config"] = ParallelismConfig(tp_size=a.tp)
+    elif a.cp > 1:  # the FSDP2 mesh then spans the context-parallel ranks too (accelerate's dp_shard_cp)
         from accelerate import ParallelismConfig
 
         parallel["parallelism_config"] = ParallelismConfig(dp_shard_size=world // a.cp, cp_size=a.cp)
@@ -121,9 +140,10 @@ def main():
         gradient_checkpointing=a.gradient_checkpointing, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
-        fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls],
-                                "reshard_after_forward": True,
-                                "activation_checkpointing": a.fsdp_activation_checkpointing})
+        **({} if a.tp > 1 else dict(
+            fsdp="full_shard auto_wrap",
+            fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls], "reshard_after_forward": True,
+                         "activation_checkpointing": a.fsdp_activation_checkpointing})))
     times, profiled = [], {}
     profile_from = a.steps - 2 if a.profile and torch.cuda.is_available() and a.steps >= 6 else None
 
@@ -162,8 +182,9 @@ def main():
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "wrapped": type(trainer.model_wrapped).__name__,
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
-            "tokens_per_s_per_gpu": round(a.rows * seq / a.cp / sorted(steps)[len(steps) // 2]) if steps else None,
-            "seq": seq, "cp": a.cp, "lce_chunk_mib": a.lce_chunk_mib or None,
+            # a tensor-parallel group shares its rows: tokens per GPU are the group's over its size
+            "tokens_per_s_per_gpu": round(a.rows * seq / a.cp / a.tp / sorted(steps)[len(steps) // 2]) if steps else None,
+            "seq": seq, "cp": a.cp, "tp": a.tp, "lce_chunk_mib": a.lce_chunk_mib or None,
             "passes_off": a.passes_off or None, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
             "gradient_checkpointing": a.gradient_checkpointing,
             "fsdp_activation_checkpointing": a.fsdp_activation_checkpointing,
@@ -181,6 +202,24 @@ def main():
         dist.barrier()
         del trainer, model
         dist.destroy_process_group()
+
+
+def _reload_tensor_parallel(model):
+    """``model`` (the same random init on every rank) saved by rank 0 and loaded on every rank under transformers'
+    own tensor-parallel plan: TP models are sharded as ``from_pretrained`` loads them."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    path = [tempfile.mkdtemp(prefix="fxfuse-tp-") if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:
+        model.save_pretrained(path[0])
+    dist.broadcast_object_list(path, src=0)
+    return AutoModelForCausalLM.from_pretrained(path[0], tp_plan="auto", dtype=torch.float32,
+                                                attn_implementation="sdpa")
 
 
 def _profile_summary(prof, vocab):
