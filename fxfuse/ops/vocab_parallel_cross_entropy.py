@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..autocast import register_autocast_casts
 from ..contracts import OpContract
 from ..kernels import linear_cross_entropy as K
 from ..errors import FxFuseError
@@ -260,6 +261,9 @@ def _composite(hidden, weight, target, vocab_size, group_name, ignore_index=-100
 
 
 _lib.impl("vocab_parallel_cross_entropy", _composite, "CompositeImplicitAutograd")
+# AMP: the lm-head matmul it replaces runs on autocast-dtype operands, so the op does too (without this rule an
+# fp32 model under bf16 autocast got fp32 GEMMs over its vocabulary slice: the HF Trainer with accelerate's TP)
+register_autocast_casts("vocab_parallel_cross_entropy", ("hidden", "weight"))
 
 
 # ================================================================================================ public API

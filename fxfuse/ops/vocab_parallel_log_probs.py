@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..autocast import register_autocast_casts
 from ..contracts import OpContract
 from ..kernels import linear_log_probs as K
 from ..errors import FxFuseError
@@ -182,6 +183,7 @@ def _composite(hidden, weight, index, vocab_size, group_name, temperature=1.0, s
 
 
 _lib.impl("vocab_parallel_log_probs", _composite, "CompositeImplicitAutograd")
+register_autocast_casts("vocab_parallel_log_probs", ("hidden", "weight"))  # AMP, as the one-GPU op
 
 
 # ================================================================================================ with its loss
@@ -272,6 +274,7 @@ def _loss_composite(hidden, weight, index, vocab_size, group_name, temperature, 
 
 
 _lib.impl("vocab_parallel_log_probs_loss", _loss_composite, "CompositeImplicitAutograd")
+register_autocast_casts("vocab_parallel_log_probs_loss", ("hidden", "weight"))  # AMP (the tail's tensors stay)
 
 
 # ================================================================================================ public API
