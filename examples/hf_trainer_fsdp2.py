@@ -8,7 +8,6 @@
     torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --seq 65536 --rows 1 --cp 2
                                                                               # one 64k-token row across both GPUs
     torchrun --nproc_per_node 2 examples/hf_trainer_fsdp2.py --shape 1b --regions --tp 2   # tensor parallelism
-    torchrun --nproc_per_node 4 examples/hf_trainer_fsdp2.py --shape 1b --regions --tp 2   # FSDP2 x TP (2 x 2)
 
 ``fxfuse.install()`` puts fxfuse's passes into Inductor, which ``TrainingArguments(torch_compile=True)`` (accelerate's
 inductor backend) compiles the model with; accelerate applies FSDP2 (``fully_shard`` per decoder layer and root).
@@ -21,10 +20,10 @@ passes, whether FSDP2 wrapped it, the median step time after the first two steps
 ``--seq`` / ``--rows`` set the batch, ``--pad`` right-pads rows of random lengths (HF's attention-mask path),
 ``--gradient-checkpointing`` is the Trainer's, ``--fsdp-activation-checkpointing`` accelerate's; ``--cp N`` splits each
 row's tokens over N GPUs (accelerate's ``ParallelismConfig(cp_size=N)``: torch's context parallelism, ring attention
-in SDPA; CUDA only); ``--tp N`` splits the model over N GPUs by tensor parallelism: loaded with transformers' own plan
-(``from_pretrained(tp_plan="auto")``: attention and MLP split by heads / columns, the lm-head over the vocabulary, its
-logits gathered) on accelerate's ``ParallelismConfig(dp_shard_size=world / N, tp_size=N)`` mesh, FSDP2 over the
-data dim when the world is larger than N (accelerate runs either on accelerators only). ``--profile`` (GPU) leaves the last two steps out of the timing and
+in SDPA; CUDA only); ``--tp N`` trains tensor-parallel instead of FSDP2: the model loaded with transformers' own
+plan (``from_pretrained(tp_plan="auto")``: attention and MLP split by heads / columns, the lm-head over the vocabulary,
+its logits gathered) and accelerate's ``ParallelismConfig(tp_size=N)`` (N = the world size; accelerate runs it on
+accelerators only). ``--profile`` (GPU) leaves the last two steps out of the timing and
 adds where their time went (GPU time by kernel kind, NCCL time no compute overlaps, the host's top ops;
 ``benchmarks/trace_summary.py``).
 """
@@ -65,8 +64,8 @@ def main():
                          "ParallelismConfig(cp_size=N), torch's ring attention in SDPA; needs CUDA and --seq a "
                          "multiple of 2 N)")
     ap.add_argument("--tp", type=int, default=1,
-                    help="tensor parallelism over N ranks (transformers' tp_plan='auto' on accelerate's "
-                         "ParallelismConfig(dp_shard_size=world/N, tp_size=N) mesh: FSDP2 over the rest; needs CUDA)")
+                    help="tensor parallelism over all N ranks instead of FSDP2 (transformers' tp_plan='auto', "
+                         "accelerate's ParallelismConfig(tp_size=N); needs CUDA and N = the world size)")
     ap.add_argument("--lce-chunk-mib", type=int, default=0,
                     help="fxfuse's lm-head loss: the logits-chunk budget in MiB (pass option chunk_bytes; 0 = the "
                          "default 256 MiB). Fewer, larger chunks accumulate the head's weight gradient fewer times")
@@ -81,29 +80,19 @@ def main():
     if a.cp > 1 and (not torch.cuda.is_available() or world % a.cp):
         # torch's ring attention dispatches the CUDA SDPA kernels only (flash, efficient, cuDNN)
         ap.error(f"--cp {a.cp} needs CUDA and a world size that it divides (world size {world})")
-    if a.tp > 1 and (not torch.cuda.is_available() or world % a.tp or a.cp > 1):
+    if a.tp > 1 and (not torch.cuda.is_available() or world != a.tp or a.cp > 1):
         # accelerate's ParallelismConfig refuses CPU ranks (DistributedType.MULTI_CPU)
-        ap.error(f"--tp {a.tp} needs CUDA, a world size that it divides (world size {world}) and no --cp")
+        ap.error(f"--tp {a.tp} needs CUDA, the world size equal to it (world size {world}) and no --cp")
     trainer_compiles = not (a.no_compile or a.regions)
     fxfuse_kw = {"pass_options": {"linear_cross_entropy": {"chunk_bytes": a.lce_chunk_mib << 20}}} if a.lce_chunk_mib else {}
     if a.passes_off:
         fxfuse_kw["passes"] = [] if a.passes_off == "all" else {p: False for p in a.passes_off.split(",")}
     if trainer_compiles and not a.inductor:
         fxfuse.install(**fxfuse_kw)  # Inductor now runs fxfuse's passes on every graph it compiles
-    parallel = {}
-    tp_load = {}
-    if a.tp > 1:  # the (data, tensor) mesh first: transformers shards the model onto its tensor dim as it loads
-        import torch.distributed as dist
-        from accelerate import ParallelismConfig
-
-        if not dist.is_initialized():
-            dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        parallel["parallelism_config"] = ParallelismConfig(dp_shard_size=world // a.tp, tp_size=a.tp)
-        tp_load = {"tp_plan": "auto", "device_mesh": parallel["parallelism_config"].get_device_mesh("cuda")["tp"]}
     torch.manual_seed(0)
     if a.model:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, **tp_load)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
+                                                     **({"tp_plan": "auto"} if a.tp > 1 else {}))
         vocab, seq = model.config.vocab_size, 2048
     else:
         if a.shape == "1b":
@@ -118,7 +107,7 @@ def main():
             seq = 16
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
         if a.tp > 1:  # transformers shards a model at load time: the same random weights on every rank, reloaded
-            model = _reload_tensor_parallel(model, tp_load)
+            model = _reload_tensor_parallel(model)
         vocab = cfg.vocab_size
     seq = a.seq or seq
     model.config.use_cache = False
@@ -137,7 +126,12 @@ def main():
             row["labels"] = t.masked_fill(row["attention_mask"] == 0, -100)
         data.append(row)
     real_tokens = sum(int(r["attention_mask"].sum()) if a.pad else seq for r in data) / len(data)
-    if a.cp > 1:  # the FSDP2 mesh then spans the context-parallel ranks too (accelerate's dp_shard_cp)
+    parallel = {}
+    if a.tp > 1:
+        from accelerate import ParallelismConfig
+
+        parallel["parallelism_config"] = ParallelismConfig(tp_size=a.tp)
+    elif a.cp > 1:  # the FSDP2 mesh then spans the context-parallel ranks too (accelerate's dp_shard_cp)
         from accelerate import ParallelismConfig
 
         parallel["parallelism_config"] = ParallelismConfig(dp_shard_size=world // a.cp, cp_size=a.cp)
@@ -146,7 +140,7 @@ def main():
         gradient_checkpointing=a.gradient_checkpointing, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
-        **({} if 1 < a.tp == world else dict(
+        **({} if a.tp > 1 else dict(
             fsdp="full_shard auto_wrap",
             fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer_cls], "reshard_after_forward": True,
                          "activation_checkpointing": a.fsdp_activation_checkpointing})))
@@ -210,19 +204,22 @@ def main():
         dist.destroy_process_group()
 
 
-def _reload_tensor_parallel(model, tp_load):
+def _reload_tensor_parallel(model):
     """``model`` (the same random init on every rank) saved by rank 0 and loaded on every rank under transformers'
-    own tensor-parallel plan (``tp_load``: the plan and the mesh's tensor dim): TP models are sharded as
-    ``from_pretrained`` loads them."""
+    own tensor-parallel plan: TP models are sharded as ``from_pretrained`` loads them."""
     import tempfile
 
     import torch.distributed as dist
 
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     path = [tempfile.mkdtemp(prefix="fxfuse-tp-") if dist.get_rank() == 0 else None]
     if dist.get_rank() == 0:
         model.save_pretrained(path[0])
     dist.broadcast_object_list(path, src=0)
-    return AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.float32, attn_implementation="sdpa", **tp_load)
+    return AutoModelForCausalLM.from_pretrained(path[0], tp_plan="auto", dtype=torch.float32,
+                                                attn_implementation="sdpa")
 
 
 def _profile_summary(prof, vocab):
