@@ -317,7 +317,8 @@ def _child_main() -> None:
             if job["param_sources"] is not None:
                 gm._param_name_to_source = job["param_sources"]
             patches = dict(job["patches"])
-            patches["post_grad_custom_post_pass"] = _post_grad_pass(job["post_grad_uuid"])
+            patches["post_grad_custom_post_pass"] = _post_grad_pass(job["post_grad_uuid"],
+                                                                    job.get("tp_all_reduce_blocks", 0))
             if job["device"] is not None:
                 torch.cuda.set_device(job["device"])
             with tracing(TracingContext(fake_mode)), \
@@ -369,16 +370,18 @@ def _apply_process_settings(settings: Dict[str, Any]) -> None:
             setter(settings[key])
 
 
-def _post_grad_pass(uuid: Any):
+def _post_grad_pass(uuid: Any, tp_all_reduce_blocks: int = 0):
     """fxfuse's post-grad pass as :meth:`PassManager.post_grad_pass` builds it (no user pass before it), with the
-    parent's ``uuid()``: Inductor's cache keys must be the parent's."""
+    parent's ``uuid()``: Inductor's cache keys must be the parent's, and so must what the pass does."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
+    from .comm_overlap import rewrite_tp_all_reduces
     from .ops.host_offload import fold_round_trips
 
     class FxFusePostGrad(CustomGraphPass):
         def __call__(self, graph):
             fold_round_trips(graph)
+            rewrite_tp_all_reduces(graph, tp_all_reduce_blocks)
 
         def uuid(self):
             return uuid
@@ -493,7 +496,8 @@ def _payload(sent: fx.GraphModule, inputs: Sequence[Any], patches: Dict[str, Any
         graph=GraphPickler.dumps((sent, list(inputs)), Options(ops_filter=None)),
         sources=[getattr(n, "_dynamo_source", None) for n in sent.graph.find_nodes(op="placeholder")],
         meta=dict(sent.meta), param_sources=getattr(sent, "_param_name_to_source", None),
-        patches=patches, post_grad_uuid=uuid, inductor_config=inductor_config, settings=_process_settings(),
+        patches=patches, post_grad_uuid=uuid, tp_all_reduce_blocks=getattr(post_grad, "tp_all_reduce_blocks", 0),
+        inductor_config=inductor_config, settings=_process_settings(),
         cache_dir=cache_dir(), device=device)
 
 

@@ -51,7 +51,8 @@ log = logging.getLogger("fxfuse")
 
 __all__ = ["install", "uninstall", "installed", "Installation"]
 
-_NOT_IN_INSTALLED_MODE = ("compiler", "background_compile")
+# options of the backend's own compile path (install() only adds passes to whoever compiles)
+_NOT_IN_INSTALLED_MODE = ("compiler", "background_compile", "tp_all_reduce_blocks")
 
 
 def _hook_support() -> Optional[str]:

@@ -47,6 +47,11 @@ FXFUSE_KEYS = {
                           "a compile process fills Inductor's caches with it, then compile it here from those caches "
                           "and switch; graphs with symbolic sizes compile at once (default False; see "
                           "fxfuse.background_inductor)",
+    "tp_all_reduce_blocks": "int: tensor parallelism's all-reduces in Inductor graphs (see fxfuse.comm_overlap). 0 "
+                            "(default): as traced; 1: all-reduces that are only summed become one all-reduce of "
+                            "the sum (a ColwiseParallel input's gradient: q / k / v, gate / up); N >= 2: that, and "
+                            "each all-reduced matmul split into N blocks of rows, each all-reduced while the next "
+                            "block's matmul runs",
     "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
@@ -133,6 +138,7 @@ class FxFuseOptions:
     offload_mode: str = "auto"  # auto (as the predicted peak needs), always, off
     plan_tokens: Optional[int] = None  # auto modes of a symbolic-length graph decide at this many tokens
     background_compile: bool = False  # AOTAutograd alone until a compile process has filled Inductor's caches
+    tp_all_reduce_blocks: int = 0  # 0 off, 1 merge summed all-reduces, N >= 2 also N blocks (fxfuse.comm_overlap)
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
@@ -204,9 +210,14 @@ class FxFuseOptions:
             raise FxFuseOptionsError(f"options['plan_tokens'] must be a number of tokens >= 1 (batch x length), "
                                      f"got {_kind(plan_tokens)}")
         background = _check_bool("background_compile", ours.get("background_compile", False))
+        blocks = ours.get("tp_all_reduce_blocks", 0)
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise FxFuseOptionsError(f"options['tp_all_reduce_blocks'] must be 0 (off), 1 (merge summed all-reduces) "
+                                     f"or a number of blocks >= 2, got {_kind(blocks)}")
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
-                   offload_mode=offload_mode, plan_tokens=plan_tokens, background_compile=background)
+                   offload_mode=offload_mode, plan_tokens=plan_tokens, background_compile=background,
+                   tp_all_reduce_blocks=blocks)
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:

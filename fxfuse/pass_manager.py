@@ -142,11 +142,13 @@ class PassManager:
         o = self.options
         return ("fxfuse", source_hash(), self.can_substitute_outputs, repr(o.passes),
                 repr(sorted((k, sorted(v.items())) for k, v in o.pass_options.items())), o.strict, o.verify,
-                self.debug_dir, o.offload_mode, o.offload_min_bytes, o.plan_tokens, tuple(extra))
+                self.debug_dir, o.offload_mode, o.offload_min_bytes, o.plan_tokens, o.tp_all_reduce_blocks,
+                tuple(extra))
 
     def post_grad_pass(self, existing: Any):
         """fxfuse's Inductor post-grad pass, for the Dynamo backend: it folds the host-offload round trips that
-        AOTAutograd's partition leaves (:func:`fxfuse.ops.host_offload.fold_round_trips`), and its ``uuid()``
+        AOTAutograd's partition leaves (:func:`fxfuse.ops.host_offload.fold_round_trips`), merges and splits
+        tensor parallelism's all-reduces where ``tp_all_reduce_blocks`` asks (:mod:`fxfuse.comm_overlap`), and its ``uuid()``
         carries :meth:`uuid`.
 
         Inductor's FX-graph cache and AOTAutograd's cache key on the graph, and fxfuse's graphs name ``fxfuse::``
@@ -156,19 +158,23 @@ class PassManager:
         callable there disables caching (uuid None), as it would without fxfuse."""
         from torch._inductor.custom_graph_pass import CustomGraphPass
 
+        from .comm_overlap import rewrite_tp_all_reduces
         from .ops.host_offload import fold_round_trips
 
+        blocks = self.options.tp_all_reduce_blocks
         # what was there: nothing, one pass, or (a torch with pass lists) several, fxfuse.install()'s among them
         before = list(existing) if isinstance(existing, (list, tuple)) else [] if existing is None else [existing]
         key = self.uuid() if all(isinstance(p, CustomGraphPass) for p in before) else None
 
         class FxFusePostGrad(CustomGraphPass):
-            fxfuse_key, user_passes = key, before  # what fxfuse.background_inductor's compile child rebuilds it from
+            # what fxfuse.background_inductor's compile child rebuilds it from
+            fxfuse_key, user_passes, tp_all_reduce_blocks = key, before, blocks
 
             def __call__(self, graph):
                 for p in before:
                     p(graph)
                 fold_round_trips(graph)  # idempotent: a second run (install()'s fold ran first) changes nothing
+                rewrite_tp_all_reduces(graph, blocks)  # blocks 0: nothing
 
             def uuid(self):
                 if key is None:

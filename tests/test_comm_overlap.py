@@ -1,0 +1,193 @@
+"""``fxfuse.comm_overlap``: tensor parallelism's all-reduces (RowwiseParallel outputs, ColwiseParallel input
+gradients) merged where they are only summed, and all-reduced matmuls split into blocks of rows, each all-reduced
+while the next block's matmul runs.
+
+In-process on a one-rank gloo group (the graph rewrites themselves: which sites they take, the same values), and on
+two gloo ranks end to end: a tensor-parallel MLP (gate / up ColwiseParallel, down RowwiseParallel) compiled with
+``backend="fxfuse"`` and ``tp_all_reduce_blocks``, its loss and every gradient against eager DTensor, and the number
+of all-reduces that ran."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.fx as fx
+
+from fxfuse.comm_overlap import merge_summed_all_reduces, split_all_reduced_matmuls
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ops(gm, name):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target))
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def _traced(group, rows, *, mm_read_twice=False, tracing_mode="fake"):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    c10d = torch.ops._c10d_functional
+
+    def f(x, w):
+        y = torch.mm(x, w)
+        h = c10d.wait_tensor(c10d.all_reduce(y.reshape(2, -1, w.shape[1]), "sum", group))
+        return (h, y * 2) if mm_read_twice else (h.sin(),)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, 24, generator=g), torch.randn(24, 8, generator=g)
+    return make_fx(f, tracing_mode=tracing_mode)(x, w), (x, w), f
+
+
+def test_splits_an_all_reduced_matmul_into_blocks_with_the_same_values(one_rank):
+    gm, args, f = _traced(one_rank, 1000)
+    ref = f(*args)
+    assert split_all_reduced_matmuls(gm.graph, 4, min_rows=16) == 1
+    gm.recompile()
+    assert _ops(gm, "all_reduce") == 4 and _ops(gm, "wait_tensor") == 4 and _ops(gm, "aten.mm") == 4
+    out = gm(*args)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)
+    # the blocks are issued in order, each all-reduce right after its matmul; the waits come after the last one
+    order = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"
+             and any(k in str(n.target) for k in ("aten.mm", "all_reduce", "wait_tensor"))]
+    assert order == ["aten.mm.default", "_c10d_functional.all_reduce.default"] * 4 + \
+        ["_c10d_functional.wait_tensor.default"] * 4
+
+
+def test_leaves_what_it_cannot_split(one_rank):
+    gm, _args, _f = _traced(one_rank, 1000, mm_read_twice=True)  # the matmul's rows are read unreduced too
+    assert split_all_reduced_matmuls(gm.graph, 4, min_rows=16) == 0
+    gm, _args, _f = _traced(one_rank, 40)  # fewer rows than blocks x min_rows
+    assert split_all_reduced_matmuls(gm.graph, 4, min_rows=16) == 0
+    gm, _args, _f = _traced(one_rank, 1000, tracing_mode="symbolic")  # a symbolic row count
+    assert split_all_reduced_matmuls(gm.graph, 4, min_rows=16) == 0
+    assert _ops(gm, "all_reduce") == 1
+    gm, _args, _f = _traced(one_rank, 1000)
+    assert split_all_reduced_matmuls(gm.graph, 0) == 0  # off
+
+
+def test_merges_all_reduces_that_are_only_summed(one_rank):
+    """q / k / v's input gradients: t + all_reduce(a) + all_reduce(b) + all_reduce(c) -> t + all_reduce(a + b + c);
+    an all-reduce read elsewhere too, or of another reduction, stays."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    c10d = torch.ops._c10d_functional
+
+    def ar(t, op="sum"):
+        return c10d.wait_tensor(c10d.all_reduce(t, op, one_rank))
+
+    def f(t, a, b, c, d):
+        s = t + ar(a) + ar(b) + ar(c)
+        kept = ar(d)  # read twice
+        return s, kept * 2 + s, ar(a * 3, "max") + ar(b * 3, "max")
+
+    args = [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    ref = f(*args)
+    assert _ops(gm, "all_reduce") == 6
+    assert merge_summed_all_reduces(gm.graph) == 2
+    gm.graph.lint()
+    gm.recompile()
+    assert _ops(gm, "all_reduce") == 4  # a + b + c as one; d and the two "max" ones as they were
+    for got, want in zip(gm(*args), ref):
+        torch.testing.assert_close(got, want)
+
+
+def test_option_is_checked():
+    from fxfuse.errors import FxFuseOptionsError
+    from fxfuse.options import FxFuseOptions
+
+    assert FxFuseOptions.parse({"tp_all_reduce_blocks": 4}).tp_all_reduce_blocks == 4
+    assert FxFuseOptions.parse({}).tp_all_reduce_blocks == 0
+    for bad in (-2, True, 2.0):
+        with pytest.raises(FxFuseOptionsError, match="tp_all_reduce_blocks"):
+            FxFuseOptions.parse({"tp_all_reduce_blocks": bad})
+
+
+class GatedMLP(torch.nn.Module):
+    def __init__(self, d=32, f=64):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, f, bias=False)
+        self.up = torch.nn.Linear(d, f, bias=False)
+        self.down = torch.nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _worker(rank, world, port, result_path):
+    sys.path.insert(0, HERE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fxfuse
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 300, 32, generator=g)  # 1,200 token rows: 4 blocks of 300
+        for mode in ("eager", "merged", "blocks"):
+            torch.manual_seed(0)
+            mlp = GatedMLP()
+            parallelize_module(mlp, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                                           "down": RowwiseParallel()})
+            xi = x.clone().requires_grad_()
+
+            def step(t):
+                return mlp(t).pow(2).mean()
+
+            fn = step if mode == "eager" else torch.compile(step, backend="fxfuse", options={
+                "tp_all_reduce_blocks": 1 if mode == "merged" else 4, "compiler": "inductor"})
+            fn(xi).backward()  # the compile (Dynamo and Inductor trace the collectives on fake tensors)
+            for p in mlp.parameters():
+                p.grad = None
+            xi.grad = None
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss = fn(xi)
+                loss.backward()
+            full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+            out[mode] = {"loss": float(full(loss)), "grad_x": xi.grad.tolist(),
+                         "grads": [full(p.grad).tolist() for p in mlp.parameters()],
+                         "all_reduces": sum(1 for e in prof.events() if e.name.startswith("gloo:all_reduce"))}
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(out, f)
+
+
+@pytest.mark.slow
+def test_two_ranks_tensor_parallel_mlp_overlapped_matches_eager(tmp_path):
+    from test_distributed import RANK_TIMEOUT_S, _free_port, _spawn
+
+    result = tmp_path / "result.json"
+    _spawn(_worker, (2, _free_port(), str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
+    r = json.loads(result.read_text())
+    e = r["eager"]
+    # eager: the RowwiseParallel output's all-reduce (forward), one per ColwiseParallel input gradient (backward)
+    assert e["all_reduces"] == 3, e["all_reduces"]
+    assert r["merged"]["all_reduces"] == 2, r["merged"]["all_reduces"]  # gate's and up's gradients: one
+    assert r["blocks"]["all_reduces"] == 8, r["blocks"]["all_reduces"]  # and both sites in 4 blocks
+    for f in (r["merged"], r["blocks"]):
+        assert f["loss"] == pytest.approx(e["loss"], rel=1e-5)
+        torch.testing.assert_close(torch.tensor(f["grad_x"]), torch.tensor(e["grad_x"]), rtol=1e-4, atol=1e-6)
+        for a, b in zip(f["grads"], e["grads"]):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-6)
