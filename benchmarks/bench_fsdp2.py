@@ -26,7 +26,8 @@ Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 
 default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
 length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
-too), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
+too), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``; 1 merges the
+all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
 script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under
@@ -317,6 +318,8 @@ def main(impl):
             kw["compiler"] = os.environ["FSDP_COMPILER"]
         if background:  # AOTAutograd alone until a compile process has filled Inductor's caches
             kw["background_compile"] = True
+        if os.environ.get("FSDP_TP_BLOCKS"):  # FSDP_TP > 1: tensor parallelism's all-reduces merged / in blocks
+            kw["tp_all_reduce_blocks"] = int(os.environ["FSDP_TP_BLOCKS"])
         fwd = fxfuse.compile_regions(model, **kw)
     elif impl == "fxfuse-regions-nopass":
         fwd = fxfuse.compile_regions(model, passes=[])
@@ -447,6 +450,7 @@ def main(impl):
                peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None,
                first_step_cpu_s=cpu_first, loss_step11=loss11[0], first_step_starts="together (store barrier)",
                tag=os.environ.get("FSDP_TAG", ""), floor=floor or None,
+               tp_all_reduce_blocks=int(os.environ.get("FSDP_TP_BLOCKS", 0)) if impl == "fxfuse-regions" else None,
                optimizer=f"AdamW {opt_impl}")
     if sampler is not None:
         row["first_step_sampled"] = sampler.summary()
