@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-import torch.fx as fx
 
 from fxfuse.comm_overlap import merge_summed_all_reduces, split_all_reduced_matmuls
 
@@ -105,6 +104,25 @@ def test_merges_all_reduces_that_are_only_summed(one_rank):
         torch.testing.assert_close(got, want)
 
 
+def test_the_post_grad_pass_and_the_compile_processs_rebuild_do_the_same(one_rank):
+    """The backend's post-grad pass runs the rewrite the option asks for, its cache key (``uuid()``) differs with
+    the option, and ``background_compile``'s compile process rebuilds the same pass from what it is sent."""
+    from fxfuse import background_inductor
+    from fxfuse.options import FxFuseOptions
+    from fxfuse.pass_manager import PassManager
+
+    def post_grad(blocks):
+        return PassManager(FxFuseOptions.parse({"tp_all_reduce_blocks": blocks})).post_grad_pass(None)
+
+    assert post_grad(1).uuid() != post_grad(0).uuid() != post_grad(2).uuid()
+    for blocks, all_reduces in ((0, 1), (4, 4)):
+        for make in (lambda b: post_grad(b), lambda b: background_inductor._post_grad_pass("key", b)):
+            gm, _args, _f = _traced(one_rank, 4096)
+            make(blocks)(gm.graph)
+            assert _ops(gm, "all_reduce") == all_reduces
+    assert post_grad(3).tp_all_reduce_blocks == 3  # what background_inductor sends its compile process
+
+
 def test_option_is_checked():
     from fxfuse.errors import FxFuseOptionsError
     from fxfuse.options import FxFuseOptions
@@ -135,7 +153,7 @@ def _worker(rank, world, port, result_path):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    import fxfuse
+    import fxfuse  # noqa: F401  (registers the backend)
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
