@@ -90,8 +90,9 @@ def merge_summed_all_reduces(graph: fx.Graph) -> int:
     changed = True
     while changed:
         changed = False
+        erased = set()
         for add in list(graph.find_nodes(op="call_function", target=aten.add.Tensor)):
-            if add.graph is not graph or not _plain_add(add):
+            if add in erased or not _plain_add(add):
                 continue
             for i in (0, 1):
                 w_out, other = add.args[i], add.args[1 - i]
@@ -132,6 +133,7 @@ def merge_summed_all_reduces(graph: fx.Graph) -> int:
                 dead = [add, w_out, ar_out] + ([other] if rest is not None else []) + [w_in, ar_in]
                 for n in dead:
                     graph.erase_node(n)
+                    erased.add(n)
                 merged += 1
                 changed = True
                 break
