@@ -72,10 +72,18 @@ def _plain_add(n: fx.Node) -> bool:
     return _is(n, aten.add.Tensor) and len(n.args) == 2 and n.kwargs.get("alpha", 1) == 1
 
 
+def _same_shape(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Provably the same shape, symbolic sizes included (no guard is added: the graph is already specialised)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return a is not None and b is not None and a.dim() == b.dim() and statically_known_true(
+        sym_eq(tuple(a.shape), tuple(b.shape)))
+
+
 def _same_reduction(a: fx.Node, b: fx.Node) -> bool:
     va, vb = _val(a.args[0]), _val(b.args[0])
-    return (tuple(a.args[1:]) == tuple(b.args[1:]) and a.kwargs == b.kwargs and va is not None and vb is not None
-            and va.dtype == vb.dtype and va.device == vb.device and tuple(va.shape) == tuple(vb.shape))
+    return (tuple(a.args[1:]) == tuple(b.args[1:]) and a.kwargs == b.kwargs and _same_shape(va, vb)
+            and va.dtype == vb.dtype and va.device == vb.device)
 
 
 def merge_summed_all_reduces(graph: fx.Graph) -> int:
@@ -114,8 +122,7 @@ def merge_summed_all_reduces(graph: fx.Graph) -> int:
                 if w_in is None:
                     continue
                 ar_in = _reduced(w_in, ar_op, wait_op)
-                if not _same_reduction(ar_in, ar_out) or _val(add) is None \
-                        or tuple(_val(add).shape) != tuple(_val(ar_out.args[0]).shape):
+                if not _same_reduction(ar_in, ar_out) or not _same_shape(_val(add), _val(ar_out.args[0])):
                     continue
                 fake = fake or _fake_mode([_val(ar_in.args[0])])
                 with graph.inserting_before(add):

@@ -93,15 +93,16 @@ def test_merges_all_reduces_that_are_only_summed(one_rank):
         return s, kept * 2 + s, ar(a * 3, "max") + ar(b * 3, "max")
 
     args = [torch.randn(6, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
-    gm = make_fx(f, tracing_mode="fake")(*args)
     ref = f(*args)
-    assert _ops(gm, "all_reduce") == 6
-    assert merge_summed_all_reduces(gm.graph) == 2
-    gm.graph.lint()
-    gm.recompile()
-    assert _ops(gm, "all_reduce") == 4  # a + b + c as one; d and the two "max" ones as they were
-    for got, want in zip(gm(*args), ref):
-        torch.testing.assert_close(got, want)
+    for mode in ("fake", "symbolic"):  # symbolic: a new length every batch merges too
+        gm = make_fx(f, tracing_mode=mode)(*args)
+        assert _ops(gm, "all_reduce") == 6
+        assert merge_summed_all_reduces(gm.graph) == 2
+        gm.graph.lint()
+        gm.recompile()
+        assert _ops(gm, "all_reduce") == 4  # a + b + c as one; d and the two "max" ones as they were
+        for got, want in zip(gm(*args), ref):
+            torch.testing.assert_close(got, want)
 
 
 def test_the_post_grad_pass_and_the_compile_processs_rebuild_do_the_same(one_rank):
