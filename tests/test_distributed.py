@@ -323,6 +323,13 @@ def _train_tp(rank, world, case):
                      # all-gathers that ran (gloo's own events: Dynamo's and AOT's tracing in the first call also
                      # dispatches the functional collectives, on fake tensors)
                      "gathers": sorted({e.name for e in prof.events() if e.name.startswith("gloo:all_gather")})}
+        if case == "tp_gathered" and mode == "fxfuse":  # under AMP (the HF Trainer's bf16) the op computes in bf16
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as ap:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    fn(ids, labels).backward()
+            # the weight's dtype (the profiler records no dtype for the flattened hidden states)
+            out[mode]["autocast_dtypes"] = [e.input_dtypes[1] for e in ap.events()
+                                            if e.name == "fxfuse::vocab_parallel_cross_entropy_fwd"]
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
              if r.pass_name == ("linear_log_probs" if case.startswith("tp_log_probs") else "linear_cross_entropy")]
     loss_sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
@@ -549,6 +556,8 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
         assert any(o.startswith("fxfuse::vocab_parallel_log_probs_loss") for o in fx["ops"]), fx["ops"]
     if case in ("tp_gathered", "tp_log_probs", "tp_log_probs_entropy"):  # the step returns no logits: their all-gather is gone
         assert ea["gathers"] and not fx["gathers"], (ea["gathers"], fx["gathers"])
+    if case == "tp_gathered":  # one more step under bf16 autocast: the op's operands arrive in bf16 (the fp32 weight cast)
+        assert fx["autocast_dtypes"] and set(fx["autocast_dtypes"]) == {"c10::BFloat16"}, fx["autocast_dtypes"]
 
 
 def test_compile_regions_one_process_compiles_each_block_once_and_fuses_the_head():
