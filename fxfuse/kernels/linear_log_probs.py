@@ -354,6 +354,13 @@ def logp_forward(hidden, weight, index, bias, temperature: float, softcap: float
     return out[:7] + (out[7],)
 
 
+def _row_paths(hidden):
+    """(forward, backward) row implementations for ``hidden``'s device: the Triton kernels or their PyTorch twin."""
+    if use_triton(hidden, FORCE_TRITON):
+        return _rows_triton_fwd, _rows_triton_bwd
+    return _rows_torch_fwd, _rows_torch_bwd
+
+
 def _chunk_into_grads(bwd, buf, index, stats, ez, grads, entropy: bool, temperature: float, softcap: float):
     """Turn a projected chunk into d loss / d logits in place (the backward row step), for the chunk's per-token
     upstream gradients ``grads = (g_logp, g_ent)`` (either None: no term; both None: zeros) and its row statistics
@@ -380,9 +387,7 @@ def logp_forward_with_grads(hidden, weight, index, bias, temperature: float, sof
     (grad_hidden, grad_weight, grad_bias) (empty [0] tensors for those not asked for)."""
     N = hidden.shape[0]
     dev = hidden.device
-    triton_rows = use_triton(hidden, FORCE_TRITON)
-    fwd = _rows_triton_fwd if triton_rows else _rows_torch_fwd
-    bwd = _rows_triton_bwd if triton_rows else _rows_torch_bwd
+    fwd, bwd = _row_paths(hidden)
     index = index.contiguous()
     # zeros, not empty: the chunk_grads callback may read the rows past ``end`` (they must hold finite values)
     logp = torch.zeros(N, dtype=torch.float32, device=dev)
@@ -423,9 +428,7 @@ def logp_forward_split_vocab(hidden, weight, local_index, temperature: float, so
     vocabulary, grad_weight [V_local, D]), empty [0] tensors for gradients not asked for."""
     N = hidden.shape[0]
     dev = hidden.device
-    triton_rows = use_triton(hidden, FORCE_TRITON)
-    fwd = _rows_triton_fwd if triton_rows else _rows_torch_fwd
-    bwd = _rows_triton_bwd if triton_rows else _rows_torch_bwd
+    fwd, bwd = _row_paths(hidden)
     local_index = local_index.contiguous()
     f32 = dict(dtype=torch.float32, device=dev)
     zy = torch.empty(N, **f32)
@@ -467,7 +470,7 @@ def logp_backward(g_logp: Optional[torch.Tensor], g_ent: Optional[torch.Tensor],
                 else hidden.new_empty(0),
                 z(weight, tuple(weight.shape)) if need_gw else hidden.new_empty(0),
                 z(bias, tuple(bias.shape)) if need_gb else hidden.new_empty(0))
-    bwd = _rows_triton_bwd if use_triton(hidden, FORCE_TRITON) else _rows_torch_bwd
+    bwd = _row_paths(hidden)[1]
     index = index.contiguous()
     if g_logp is not None and g_logp.dtype != torch.float32:
         g_logp = g_logp.float()
