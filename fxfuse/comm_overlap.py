@@ -35,6 +35,7 @@ merges, N >= 2 merges and splits into N blocks.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Optional
 
@@ -43,6 +44,7 @@ import torch.fx as fx
 
 __all__ = ["merge_summed_all_reduces", "rewrite_tp_all_reduces", "split_all_reduced_matmuls"]
 
+log = logging.getLogger("fxfuse")
 aten = torch.ops.aten
 _ROW_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
@@ -130,12 +132,16 @@ def merge_summed_all_reduces(graph: fx.Graph) -> int:
                     h = graph.call_function(ar_op, (total,) + tuple(ar_out.args[1:]), dict(ar_out.kwargs))
                     w = graph.call_function(wait_op, (h,))
                     new = w if rest is None else graph.call_function(aten.add.Tensor, (rest, w))
-                with fake:
-                    total.meta["val"] = _val(ar_in.args[0]) + _val(ar_out.args[0])
-                    h.meta["val"] = torch.empty_like(total.meta["val"])
-                    w.meta["val"] = torch.empty_like(total.meta["val"])
-                    if rest is not None:
-                        new.meta["val"] = _val(add)
+                try:
+                    with fake:
+                        total.meta["val"] = _val(ar_in.args[0]) + _val(ar_out.args[0])
+                        h.meta["val"] = torch.empty_like(total.meta["val"])
+                        w.meta["val"] = torch.empty_like(total.meta["val"])
+                        if rest is not None:
+                            new.meta["val"] = _val(add)
+                except Exception as e:  # nothing rewired yet: the new nodes go, the sum stays as traced
+                    _roll_back(graph, [total, h, w] + ([new] if rest is not None else []), add, e)
+                    continue
                 add.replace_all_uses_with(new)
                 dead = [add, w_out, ar_out] + ([other] if rest is not None else []) + [w_in, ar_in]
                 for n in dead:
@@ -237,10 +243,14 @@ def split_all_reduced_matmuls(graph: fx.Graph, blocks: int, min_rows: int = 256)
             made.append((cat, lambda v: torch.cat(v, 0), tuple(waits)))
             out = graph.call_function(aten.reshape.default, (cat, out_shape))
             made.append((out, lambda v: v[0].reshape(out_shape), (cat,)))
-        with fake:
-            for node, fn, inputs in made:
-                node.meta["val"] = fn([_val(i) for i in inputs])
-                node.meta.setdefault("stack_trace", terms[0][0].meta.get("stack_trace"))
+        try:
+            with fake:
+                for node, fn, inputs in made:
+                    node.meta["val"] = fn([_val(i) for i in inputs])
+                    node.meta.setdefault("stack_trace", terms[0][0].meta.get("stack_trace"))
+        except Exception as e:  # nothing rewired yet: the new nodes go, the site stays as traced
+            _roll_back(graph, [n for n, _fn, _inputs in made], ar, e)
+            continue
         wait.replace_all_uses_with(out)
         x = ar.args[0]
         graph.erase_node(wait)
@@ -248,6 +258,13 @@ def split_all_reduced_matmuls(graph: fx.Graph, blocks: int, min_rows: int = 256)
         _erase_tree(graph, x)
         split += 1
     return split
+
+
+def _roll_back(graph: fx.Graph, new_nodes, site: fx.Node, error: Exception) -> None:
+    """Erase a site's new nodes (read only by each other: nothing was rewired to them yet), last first."""
+    for n in reversed(new_nodes):
+        graph.erase_node(n)
+    log.warning("fxfuse tp_all_reduce_blocks: %s left as traced (%s: %s)", site.name, type(error).__name__, error)
 
 
 def _erase_tree(graph: fx.Graph, n: fx.Node) -> None:
@@ -264,7 +281,11 @@ def _erase_tree(graph: fx.Graph, n: fx.Node) -> None:
 def rewrite_tp_all_reduces(graph: fx.Graph, blocks: int) -> None:
     """The post-grad step the ``tp_all_reduce_blocks`` option asks for: 0, nothing; 1, summed all-reduces merged;
     N >= 2, merged, then each all-reduced matmul (or sum of matmuls) split into N blocks of rows."""
-    if blocks >= 1:
-        merge_summed_all_reduces(graph)
-    if blocks >= 2:
-        split_all_reduced_matmuls(graph, blocks)
+    if blocks < 1:
+        return
+    merged = merge_summed_all_reduces(graph)
+    split = split_all_reduced_matmuls(graph, blocks) if blocks >= 2 else 0
+    if merged or split:
+        # a post-grad graph has no fusion report: say what was done where the user can see it (logging)
+        log.info("fxfuse tp_all_reduce_blocks=%d: %d all-reduces merged into sums, %d all-reduced matmuls split into "
+                 "blocks", blocks, merged, split)

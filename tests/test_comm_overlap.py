@@ -65,6 +65,25 @@ def test_splits_an_all_reduced_matmul_into_blocks_with_the_same_values(one_rank)
         ["_c10d_functional.wait_tensor.default"] * 4
 
 
+def test_a_site_whose_values_cannot_be_computed_is_left_as_traced(one_rank, monkeypatch, caplog):
+    """Rollback: the new nodes go before anything is rewired to them; the graph runs as traced."""
+    gm, args, f = _traced(one_rank, 1000)
+    ref = f(*args)
+    before = [str(n.target) for n in gm.graph.nodes]
+
+    def broken_cat(*a, **k):
+        raise RuntimeError("no cat today")
+
+    monkeypatch.setattr(torch, "cat", broken_cat)
+    assert split_all_reduced_matmuls(gm.graph, 4, min_rows=16) == 0
+    monkeypatch.undo()
+    assert [str(n.target) for n in gm.graph.nodes] == before
+    assert "left as traced" in caplog.text and "no cat today" in caplog.text
+    gm.graph.lint()
+    gm.recompile()
+    torch.testing.assert_close(gm(*args)[0], ref[0])
+
+
 def test_leaves_what_it_cannot_split(one_rank):
     gm, _args, _f = _traced(one_rank, 1000, mm_read_twice=True)  # the matmul's rows are read unreduced too
     assert split_all_reduced_matmuls(gm.graph, 4, min_rows=16) == 0
