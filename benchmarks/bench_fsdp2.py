@@ -451,6 +451,8 @@ def main(impl):
                first_step_cpu_s=cpu_first, loss_step11=loss11[0], first_step_starts="together (store barrier)",
                tag=os.environ.get("FSDP_TAG", ""), floor=floor or None,
                tp_all_reduce_blocks=int(os.environ.get("FSDP_TP_BLOCKS", 0)) if impl == "fxfuse-regions" else None,
+               # fxfuse's post-grad rewrites counted in this process (comm_overlap: all-reduces merged / split)
+               fxfuse_counters=dict(torch._dynamo.utils.counters["fxfuse"]),
                optimizer=f"AdamW {opt_impl}")
     if sampler is not None:
         row["first_step_sampled"] = sampler.summary()

@@ -285,6 +285,11 @@ def rewrite_tp_all_reduces(graph: fx.Graph, blocks: int) -> None:
         return
     merged = merge_summed_all_reduces(graph)
     split = split_all_reduced_matmuls(graph, blocks) if blocks >= 2 else 0
+    # Dynamo's counters, as Inductor counts its own pattern rewrites: tests and benchmarks read what was done
+    from torch._dynamo.utils import counters
+
+    counters["fxfuse"]["tp_all_reduces_merged"] += merged
+    counters["fxfuse"]["tp_all_reduces_split"] += split
     if merged or split:
         # a post-grad graph has no fusion report: say what was done where the user can see it (logging)
         log.info("fxfuse tp_all_reduce_blocks=%d: %d all-reduces merged into sums, %d all-reduced matmuls split into "

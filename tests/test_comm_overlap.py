@@ -134,12 +134,17 @@ def test_the_post_grad_pass_and_the_compile_processs_rebuild_do_the_same(one_ran
     def post_grad(blocks):
         return PassManager(FxFuseOptions.parse({"tp_all_reduce_blocks": blocks})).post_grad_pass(None)
 
+    from torch._dynamo.utils import counters
+
     assert post_grad(1).uuid() != post_grad(0).uuid() != post_grad(2).uuid()
     for blocks, all_reduces in ((0, 1), (4, 4)):
         for make in (lambda b: post_grad(b), lambda b: background_inductor._post_grad_pass("key", b)):
             gm, _args, _f = _traced(one_rank, 4096)
+            split_before = counters["fxfuse"]["tp_all_reduces_split"]
             make(blocks)(gm.graph)
             assert _ops(gm, "all_reduce") == all_reduces
+            # what was done is counted where Inductor counts its rewrites (benchmarks put it in their rows)
+            assert counters["fxfuse"]["tp_all_reduces_split"] - split_before == (blocks >= 2)
     assert post_grad(3).tp_all_reduce_blocks == 3  # what background_inductor sends its compile process
 
 
