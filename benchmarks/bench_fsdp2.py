@@ -220,6 +220,7 @@ def main(impl):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import fxfuse
+    from fxfuse.options import FxFuseOptions
 
     early = os.environ.get("FSDP_BACKGROUND_EARLY") == "1" and os.environ.get("FSDP_BACKGROUND") == "1"
     if early:  # the compile process started before the model is built, not at compile_regions()
@@ -450,7 +451,8 @@ def main(impl):
                peak_first_steps_gib=round(peak_early, 2) if peak_early is not None else None,
                first_step_cpu_s=cpu_first, loss_step11=loss11[0], first_step_starts="together (store barrier)",
                tag=os.environ.get("FSDP_TAG", ""), floor=floor or None,
-               tp_all_reduce_blocks=int(os.environ.get("FSDP_TP_BLOCKS", 0)) if impl == "fxfuse-regions" else None,
+               tp_all_reduce_blocks=int(os.environ.get("FSDP_TP_BLOCKS", FxFuseOptions.parse({}).tp_all_reduce_blocks))
+               if impl == "fxfuse-regions" else None,
                # fxfuse's post-grad rewrites counted in this process (comm_overlap: all-reduces merged / split)
                fxfuse_counters=dict(torch._dynamo.utils.counters["fxfuse"]),
                optimizer=f"AdamW {opt_impl}")

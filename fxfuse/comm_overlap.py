@@ -29,8 +29,11 @@ per layer and step, 37-46 ms of them a step, mostly with the GPU's compute idle.
   all-reduce: the number of blocks must be known when the graph is built).
 
 The reduction and group are kept. This runs on AOTAutograd's partitioned graphs (forward and backward), where
-DTensor has become plain matmuls and functional collectives. Off unless asked for: ``tp_all_reduce_blocks`` 1
-merges, N >= 2 merges and splits into N blocks.
+DTensor has become plain matmuls and functional collectives. ``tp_all_reduce_blocks`` 1 (the default) merges; N >= 2
+merges and splits into N blocks; 0 leaves the graph as traced. On two H200s (Llama-3-8B widths, 16 layers, TP over
+both GPUs, the twenty-seventh session) merging took the step from 289.8 to 281.9 ms (112 all-reduces a step became
+64); two blocks were no faster (283.8 ms: 128 smaller all-reduces, 47 against 28 ms of them), so splitting stays
+opt-in.
 """
 from __future__ import annotations
 

@@ -47,8 +47,8 @@ FXFUSE_KEYS = {
                           "a compile process fills Inductor's caches with it, then compile it here from those caches "
                           "and switch; graphs with symbolic sizes compile at once (default False; see "
                           "fxfuse.background_inductor)",
-    "tp_all_reduce_blocks": "int: tensor parallelism's all-reduces in Inductor graphs (see fxfuse.comm_overlap). 0 "
-                            "(default): as traced; 1: all-reduces that are only summed become one all-reduce of "
+    "tp_all_reduce_blocks": "int: tensor parallelism's all-reduces in Inductor graphs (see fxfuse.comm_overlap). 0: "
+                            "as traced; 1 (default): all-reduces that are only summed become one all-reduce of "
                             "the sum (a ColwiseParallel input's gradient: q / k / v, gate / up); N >= 2: that, and "
                             "each all-reduced matmul split into N blocks of rows, each all-reduced while the next "
                             "block's matmul runs",
@@ -138,7 +138,7 @@ class FxFuseOptions:
     offload_mode: str = "auto"  # auto (as the predicted peak needs), always, off
     plan_tokens: Optional[int] = None  # auto modes of a symbolic-length graph decide at this many tokens
     background_compile: bool = False  # AOTAutograd alone until a compile process has filled Inductor's caches
-    tp_all_reduce_blocks: int = 0  # 0 off, 1 merge summed all-reduces, N >= 2 also N blocks (fxfuse.comm_overlap)
+    tp_all_reduce_blocks: int = 1  # 0 off, 1 merge summed all-reduces, N >= 2 also N blocks (fxfuse.comm_overlap)
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
@@ -210,7 +210,7 @@ class FxFuseOptions:
             raise FxFuseOptionsError(f"options['plan_tokens'] must be a number of tokens >= 1 (batch x length), "
                                      f"got {_kind(plan_tokens)}")
         background = _check_bool("background_compile", ours.get("background_compile", False))
-        blocks = ours.get("tp_all_reduce_blocks", 0)
+        blocks = ours.get("tp_all_reduce_blocks", 1)
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
             raise FxFuseOptionsError(f"options['tp_all_reduce_blocks'] must be 0 (off), 1 (merge summed all-reduces) "
                                      f"or a number of blocks >= 2, got {_kind(blocks)}")

@@ -153,7 +153,8 @@ def test_option_is_checked():
     from fxfuse.options import FxFuseOptions
 
     assert FxFuseOptions.parse({"tp_all_reduce_blocks": 4}).tp_all_reduce_blocks == 4
-    assert FxFuseOptions.parse({}).tp_all_reduce_blocks == 0
+    assert FxFuseOptions.parse({}).tp_all_reduce_blocks == 1  # merged by default (twenty-seventh session's rows)
+    assert FxFuseOptions.parse({"tp_all_reduce_blocks": 0}).tp_all_reduce_blocks == 0
     for bad in (-2, True, 2.0):
         with pytest.raises(FxFuseOptionsError, match="tp_all_reduce_blocks"):
             FxFuseOptions.parse({"tp_all_reduce_blocks": bad})
