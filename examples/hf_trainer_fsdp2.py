@@ -23,7 +23,9 @@ row's tokens over N GPUs (accelerate's ``ParallelismConfig(cp_size=N)``: torch's
 in SDPA; CUDA only); ``--tp N`` trains tensor-parallel instead of FSDP2: the model loaded with transformers' own
 plan (``from_pretrained(tp_plan="auto")``: attention and MLP split by heads / columns, the lm-head over the vocabulary,
 its logits gathered) and accelerate's ``ParallelismConfig(tp_size=N)`` (N = the world size; accelerate runs it on
-accelerators only). ``--profile`` (GPU) leaves the last two steps out of the timing and
+accelerators only); with N below the world size, FSDP2 x TP as transformers (>= 5.24) loads it:
+``from_pretrained(distributed_config=DistributedConfig(tp_size=N, fsdp_size=world // N))``, the model sharded over both
+at load time and the Trainer leaving it as it is. ``--profile`` (GPU) leaves the last two steps out of the timing and
 adds where their time went (GPU time by kernel kind, NCCL time no compute overlaps, the host's top ops;
 ``benchmarks/trace_summary.py``).
 """
@@ -64,8 +66,9 @@ def main():
                          "ParallelismConfig(cp_size=N), torch's ring attention in SDPA; needs CUDA and --seq a "
                          "multiple of 2 N)")
     ap.add_argument("--tp", type=int, default=1,
-                    help="tensor parallelism over all N ranks instead of FSDP2 (transformers' tp_plan='auto', "
-                         "accelerate's ParallelismConfig(tp_size=N); needs CUDA and N = the world size)")
+                    help="tensor parallelism over N ranks: N = the world size, instead of FSDP2 (transformers' "
+                         "tp_plan='auto', accelerate's ParallelismConfig(tp_size=N); needs CUDA); N below it, FSDP2 "
+                         "over world / N data ranks x TP over N (transformers >= 5.24's DistributedConfig)")
     ap.add_argument("--lce-chunk-mib", type=int, default=0,
                     help="fxfuse's lm-head loss: the logits-chunk budget in MiB (pass option chunk_bytes; 0 = the "
                          "default 256 MiB). Fewer, larger chunks accumulate the head's weight gradient fewer times")
@@ -80,9 +83,26 @@ def main():
     if a.cp > 1 and (not torch.cuda.is_available() or world % a.cp):
         # torch's ring attention dispatches the CUDA SDPA kernels only (flash, efficient, cuDNN)
         ap.error(f"--cp {a.cp} needs CUDA and a world size that it divides (world size {world})")
-    if a.tp > 1 and (not torch.cuda.is_available() or world != a.tp or a.cp > 1):
-        # accelerate's ParallelismConfig refuses CPU ranks (DistributedType.MULTI_CPU)
-        ap.error(f"--tp {a.tp} needs CUDA, the world size equal to it (world size {world}) and no --cp")
+    fsdp_tp = 1 < a.tp < world  # FSDP2 x TP, sharded by transformers at load time
+    if a.tp > 1 and (world % a.tp or a.cp > 1):
+        ap.error(f"--tp {a.tp} needs a world size that it divides (world size {world}) and no --cp")
+    if a.tp > 1 and not torch.cuda.is_available():
+        # accelerate's ParallelismConfig refuses CPU ranks (DistributedType.MULTI_CPU); the Trainer hands a model
+        # that transformers sharded at load time to accelerate with one too
+        ap.error(f"--tp {a.tp} needs CUDA: the Trainer runs tensor parallelism under accelerate, which refuses CPU "
+                 f"ranks")
+    if fsdp_tp:
+        try:
+            from transformers.distributed import DistributedConfig
+        except ImportError:
+            import transformers
+
+            ap.error(f"--tp {a.tp} below the world size ({world}) needs transformers >= 5.24's DistributedConfig "
+                     f"(this is {transformers.__version__})")
+    # how transformers loads the model: its tensor-parallel plan (accelerate's TP), or FSDP2 x TP at load time
+    load_parallel = {"distributed_config": DistributedConfig(
+        tp_size=a.tp, fsdp_size=world // a.tp, fsdp_mixed_precision=torch.cuda.is_available())} if fsdp_tp else \
+        {"tp_plan": "auto"} if a.tp > 1 else {}
     trainer_compiles = not (a.no_compile or a.regions)
     fxfuse_kw = {"pass_options": {"linear_cross_entropy": {"chunk_bytes": a.lce_chunk_mib << 20}}} if a.lce_chunk_mib else {}
     if a.passes_off:
@@ -91,8 +111,7 @@ def main():
         fxfuse.install(**fxfuse_kw)  # Inductor now runs fxfuse's passes on every graph it compiles
     torch.manual_seed(0)
     if a.model:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
-                                                     **({"tp_plan": "auto"} if a.tp > 1 else {}))
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, **load_parallel)
         vocab, seq = model.config.vocab_size, 2048
     else:
         if a.shape == "1b":
@@ -107,7 +126,7 @@ def main():
             seq = 16
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
         if a.tp > 1:  # transformers shards a model at load time: the same random weights on every rank, reloaded
-            model = _reload_tensor_parallel(model)
+            model = _reload_tensor_parallel(model, load_parallel)
         vocab = cfg.vocab_size
     seq = a.seq or seq
     model.config.use_cache = False
@@ -127,7 +146,7 @@ def main():
         data.append(row)
     real_tokens = sum(int(r["attention_mask"].sum()) if a.pad else seq for r in data) / len(data)
     parallel = {}
-    if a.tp > 1:
+    if a.tp > 1 and not fsdp_tp:  # (FSDP2 x TP: the model is sharded already; the Trainer does not wrap it)
         from accelerate import ParallelismConfig
 
         parallel["parallelism_config"] = ParallelismConfig(tp_size=a.tp)
@@ -204,22 +223,24 @@ def main():
         dist.destroy_process_group()
 
 
-def _reload_tensor_parallel(model):
-    """``model`` (the same random init on every rank) saved by rank 0 and loaded on every rank under transformers'
-    own tensor-parallel plan: TP models are sharded as ``from_pretrained`` loads them."""
+def _reload_tensor_parallel(model, load_parallel):
+    """``model`` (the same random init on every rank) saved by rank 0 and loaded on every rank as
+    ``load_parallel`` says (``tp_plan="auto"``: transformers' own tensor-parallel plan; ``distributed_config``: FSDP2
+    x TP): such models are sharded as ``from_pretrained`` loads them."""
     import tempfile
 
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     path = [tempfile.mkdtemp(prefix="fxfuse-tp-") if dist.get_rank() == 0 else None]
     if dist.get_rank() == 0:
         model.save_pretrained(path[0])
     dist.broadcast_object_list(path, src=0)
-    return AutoModelForCausalLM.from_pretrained(path[0], tp_plan="auto", dtype=torch.float32,
-                                                attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.float32, attn_implementation="sdpa",
+                                                **load_parallel)
 
 
 def _profile_summary(prof, vocab):
