@@ -181,7 +181,9 @@ def _train_tp(rank, world, case):
     the logits) and its loss (``labels=``), compiled whole (its returned logits lazy; ``tp_hf_plan_few_tokens``
     with fewer tokens than the hidden width: kept real); ``tp_fsdp2_regions`` four ranks, a 2 x 2 (data, tensor)
     mesh: the lm-head split over the vocabulary on the tensor dim, FSDP2 over the data dim (each data rank its own
-    rows), ``compile_regions`` and the model's loss; ``tp_log_probs`` a gathered head's per-token log-probs
+    rows), ``compile_regions`` and the model's loss; ``tp_fsdp2_hf_config`` the same mesh as transformers (>= 5.24)
+    builds it at load time (``DistributedConfig(tp_size=2, fsdp_size=2)``: its plan and FSDP2 units), then
+    ``compile_regions``; ``tp_log_probs`` a gathered head's per-token log-probs
     (``log_softmax(...).gather``) in a GRPO-like weighted sum, ``tp_log_probs_entropy`` the same plus an entropy
     bonus. Returns the losses, the lm-head's and the embeddings'
     gradients of both, the loss pass's sites and the fxfuse ops that ran."""
@@ -204,7 +206,13 @@ def _train_tp(rank, world, case):
         mesh = init_device_mesh("cpu", (world,))
     if case == "tp_hf_plan_few_tokens":
         ids = ids[:, :4]  # 16 tokens, fewer than the hidden width (32)
-    hf = case.startswith("tp_hf_plan")
+    # FSDP2 x TP as transformers (>= 5.24) loads it: DistributedConfig(tp_size=2, fsdp_size=2), a (fsdp, tp) mesh
+    # whose rank is fsdp * 2 + tp; compile_regions after the load, as examples/hf_trainer_fsdp2.py --tp 2 does
+    hf_config = case == "tp_fsdp2_hf_config"
+    if hf_config:
+        dp = rank // 2
+        ids = ids[dp * 2:(dp + 1) * 2]
+    hf = case.startswith("tp_hf_plan") or hf_config
     labels = torch.roll(ids, -1, 1)
     labels[:, :3] = -100
     if case == "tp_local_slice":
@@ -229,7 +237,18 @@ def _train_tp(rank, world, case):
     out = {}
     for mode in ("eager", "fxfuse"):
         torch.manual_seed(0)
-        if hf:
+        if hf_config:
+            import transformers as tf
+            from transformers.distributed import DistributedConfig
+
+            from fxfuse.regions import compile_regions
+
+            m = tf.AutoModelForCausalLM.from_pretrained(
+                saved[0], distributed_config=DistributedConfig(tp_size=2, fsdp_size=world // 2), dtype=torch.float32,
+                attn_implementation="sdpa")
+            if mode == "fxfuse":
+                compile_regions(m, compiler="aot_eager")
+        elif hf:
             import transformers as tf
 
             m = tf.AutoModelForCausalLM.from_pretrained(saved[0], tp_plan="auto", dtype=torch.float32,
@@ -249,7 +268,7 @@ def _train_tp(rank, world, case):
             fully_shard(m, mesh=mesh2["dp"])
 
         # transformers' plan: the model compiled whole, as the Trainer does, returning its (gathered) logits too
-        model = torch.compile(m, backend="fxfuse", options=AOT) if hf and mode == "fxfuse" else m
+        model = torch.compile(m, backend="fxfuse", options=AOT) if hf and not hf_config and mode == "fxfuse" else m
         returned = []
 
         def step(ids, labels):
@@ -514,6 +533,7 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
     ("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
     ("tp_hf_plan_few_tokens", "fused", ""),  # the same with fewer tokens than the hidden width: logits kept real
+    ("tp_fsdp2_hf_config", "fused", ""),  # FSDP2 x TP loaded by transformers' DistributedConfig, compile_regions
     ("tp_loss_parallel", "fused", ""),
     ("tp_log_probs", "fused", ""),      # fxfuse::vocab_parallel_log_probs
     ("tp_log_probs_entropy", "fused", ""),  # the same with the entropy
@@ -522,8 +542,10 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
     """Under tensor parallelism the lm-head loss runs as the vocabulary-parallel op on each rank's weight shard and
     gives eager DTensor's loss, lm-head gradient and hidden-state gradient (through the embeddings); a loss that
     reads only a rank's slice of the vocabulary is left alone, with the reason in the report."""
+    if case == "tp_fsdp2_hf_config":
+        pytest.importorskip("transformers.distributed", reason="transformers < 5.24 has no DistributedConfig")
     result = tmp_path / "result.json"
-    world = 4 if case == "tp_fsdp2_regions" else 2
+    world = 4 if case in ("tp_fsdp2_regions", "tp_fsdp2_hf_config") else 2
     _spawn(_worker, (world, _free_port(), case, str(result)), nprocs=world, timeout=RANK_TIMEOUT_S)
     got = json.loads(result.read_text())
     fx, ea = got["fxfuse"], got["eager"]
