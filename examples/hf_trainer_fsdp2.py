@@ -197,6 +197,8 @@ def main():
             # Dynamo's frames compiled (recompiles included) and graph breaks, on this rank
             "frames_compiled": len(torch._dynamo.utils.get_compilation_metrics()),
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+            # fxfuse's post-grad rewrites on this rank (tensor parallelism's all-reduces merged / split)
+            "fxfuse_counters": dict(torch._dynamo.utils.counters["fxfuse"]),
             "rolled_back": [f"{r.pass_name}: {r.reason[:160]}" for rep in fxfuse.reports() for r in rep.rolled_back],
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
             "wrapped": type(trainer.model_wrapped).__name__,
