@@ -222,7 +222,7 @@ class PassManager:
             with GuardWatch(fake_mode) as watch:
                 propagate(gm, fake_mode, example_inputs)
             rep.pass_ms["<fake propagation>"] = (time.perf_counter() - t0) * 1e3
-            if watch.attempts:
+            if watch.attempts and not watch.install_bounds():
                 raise _Unsound(f"fake propagation of the graph as Dynamo gave it would add a shape guard: "
                                f"{watch.describe()}; no pass ran")
             ctx = PassContext(rep, opts, fake_mode, root=gm, can_substitute_outputs=self.can_substitute_outputs)
@@ -291,7 +291,9 @@ class PassManager:
             finally:
                 ctx.report.pass_ms[spec.name] = ctx.report.pass_ms.get(spec.name, 0.0) + \
                     (time.perf_counter() - t0) * 1e3
-        if problem is None and watch.attempts:
+        # a bound that holds now (size >= 1 of a rank's sequence shard) is installed as a guard; anything else
+        # (an equality: one length) rolls back
+        if problem is None and watch.attempts and not watch.install_bounds():
             problem = ("the rewrite specialised a symbolic size, which would recompile the model for every new "
                        f"length: {watch.describe()}")
         if problem is None:

@@ -430,11 +430,20 @@ class GuardWatch:
     :attr:`attempts` is not empty, so the graph that reaches Inductor never depends on a value read under
     suppression. Where the installed torch lacks the hook used to observe suppressed guards, guards are left
     enabled and counted instead (the compile stays correct; it may be specialised).
+
+    A bound (``<``, ``<=``, ``>``, ``>=``) or an exclusion (``!=``) that holds at the current sizes does not tie the
+    graph to one length:
+    :meth:`install_bounds` adds such guards for real, so Dynamo checks them on every call (a length outside the bound
+    recompiles once, correctly) and the rewrite can stay. This matters under tensor parallelism: a rank's
+    sequence-sharded size is a rank-dependent expression (``s - (s + 1) // 2`` on rank 1, ``(s + 1) // 2`` on rank
+    0), so only some ranks' propagation asks for ``size >= 1``; rolling back there alone would leave the ranks with
+    different collectives (a hang).
     """
 
     def __init__(self, fake_mode):
         self.shape_env = getattr(fake_mode, "shape_env", None) if fake_mode is not None else None
         self.attempts: List[Tuple[str, str]] = []
+        self._exprs: List[Any] = []  # the suppressed guards' expressions, as attempts lists them
         self._cm = None
         self._n0 = 0
 
@@ -445,7 +454,7 @@ class GuardWatch:
         self._n0 = len(se.guards)
         orig = getattr(se, "_log_guard", None)
         if orig is not None and hasattr(se, "suppress_guards"):
-            attempts = self.attempts
+            attempts, exprs = self.attempts, self._exprs
 
             def log_guard(prefix, g, *args, **kwargs):
                 if "suppressed" in str(prefix):
@@ -454,6 +463,7 @@ class GuardWatch:
                     if n is not None:
                         where += f" (fake propagation of %{n.name} = {getattr(n.target, '__name__', n.target)})"
                     attempts.append((str(g), where))
+                    exprs.append(g)
                 return orig(prefix, g, *args, **kwargs)
 
             se._log_guard = log_guard  # instance attribute shadows the method while we watch
@@ -471,6 +481,31 @@ class GuardWatch:
             se.__dict__.pop("_log_guard", None)
         for g in se.guards[self._n0:]:  # guards that got through anyway (no suppression hook)
             self.attempts.append((str(g.expr), str(getattr(g, "sloc", "")) or "<unknown>"))
+
+    def install_bounds(self) -> bool:
+        """After the block: if every guard asked for is a bound or an exclusion that holds at the current sizes, add
+        them to the shape environment as real guards, forget them and return True; else change nothing and return
+        False."""
+        import sympy
+
+        se = self.shape_env
+        if se is None or not self.attempts or len(self._exprs) != len(self.attempts):
+            return False  # nothing asked, or guards that got through unobserved (no suppression hook)
+        # bounds and exclusions (Ne: a size is not some value) hold for whole ranges of lengths; Eq pins one
+        bounds = (sympy.GreaterThan, sympy.StrictGreaterThan, sympy.LessThan, sympy.StrictLessThan, sympy.Unequality)
+        for e in self._exprs:
+            if not isinstance(e, bounds):
+                return False  # an equality (one length) or anything else: the caller rolls back
+            try:
+                if e.xreplace(se.var_to_val) is not sympy.true:
+                    return False
+            except (TypeError, ValueError):
+                return False
+        for e in self._exprs:
+            se.evaluate_expr(e)  # outside suppress_guards: a guard Dynamo installs with the compiled graph
+        self.attempts.clear()
+        self._exprs.clear()
+        return True
 
     def describe(self) -> str:
         first, where = self.attempts[0]

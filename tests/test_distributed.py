@@ -184,7 +184,9 @@ def _train_tp(rank, world, case):
     rows), ``compile_regions`` and the model's loss; ``tp_fsdp2_hf_config`` the same mesh as transformers (>= 5.24)
     builds it at load time (``DistributedConfig(tp_size=2, fsdp_size=2)``: its plan and FSDP2 units), then
     ``compile_regions``; ``tp_log_probs`` a gathered head's per-token log-probs
-    (``log_softmax(...).gather``) in a GRPO-like weighted sum, ``tp_log_probs_entropy`` the same plus an entropy
+    (``log_softmax(...).gather``) in a GRPO-like weighted sum, ``tp_sequence_parallel`` each rank's part of the
+    sequence into a head that all-gathers it (``input_layouts=Shard(1)``: sequence parallelism) and
+    ``loss_parallel()``, ``tp_log_probs_entropy`` the same plus an entropy
     bonus. Returns the losses, the lm-head's and the embeddings'
     gradients of both, the loss pass's sites and the fxfuse ops that ran."""
     import contextlib
@@ -221,9 +223,13 @@ def _train_tp(rank, world, case):
              "tp_log_probs": ColwiseParallel(output_layouts=Replicate()),
              "tp_log_probs_entropy": ColwiseParallel(output_layouts=Replicate()),
              "tp_fsdp2_regions": ColwiseParallel(output_layouts=Replicate()),
-             "tp_local_slice": ColwiseParallel(output_layouts=Shard(-1))}.get(
+             "tp_local_slice": ColwiseParallel(output_layouts=Shard(-1)),
+             # sequence parallelism (torchtitan's plan): the head's input sharded over the sequence, all-gathered
+             "tp_sequence_parallel": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                                     use_local_output=False)}.get(
         case, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
-    parallel_loss = loss_parallel if case in ("tp_loss_parallel", "tp_linear_softcap") else contextlib.nullcontext
+    parallel_loss = loss_parallel if case in ("tp_loss_parallel", "tp_linear_softcap", "tp_sequence_parallel") \
+        else contextlib.nullcontext
     saved = [None]
     if hf:  # a checkpoint for from_pretrained, written by rank 0
         import tempfile
@@ -279,6 +285,8 @@ def _train_tp(rank, world, case):
             if case == "tp_fsdp2_regions":
                 return m(input_ids=ids, labels=labels, use_cache=False).loss
             h = m.model(input_ids=ids, use_cache=False).last_hidden_state
+            if case == "tp_sequence_parallel":  # this rank's part of the sequence (lengths divisible by the ranks)
+                h = h.chunk(world, dim=1)[rank]
             if case.startswith("tp_log_probs"):  # RL: per-token log-probs of the sampled tokens, weighted
                 lp = torch.log_softmax(m.lm_head(h).float() / 0.7, -1)
                 logp = lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -304,8 +312,8 @@ def _train_tp(rank, world, case):
         loss = loss.detach()
         lengths = []  # then a new length every batch (gradients accumulate alike in both modes)
         frames = len(torch._dynamo.utils.get_compilation_metrics())
-        if case in ("tp_gathered", "tp_loss_parallel", "tp_log_probs", "tp_log_probs_entropy"):
-            for n in (13, 11, 9):
+        if case in ("tp_gathered", "tp_loss_parallel", "tp_log_probs", "tp_log_probs_entropy", "tp_sequence_parallel"):
+            for n in ((14, 12, 10) if case == "tp_sequence_parallel" else (13, 11, 9)):
                 with parallel_loss():
                     more = fn(ids[:, :n], labels[:, :n])
                     more.backward()
@@ -535,6 +543,7 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
     ("tp_hf_plan_few_tokens", "fused", ""),  # the same with fewer tokens than the hidden width: logits kept real
     ("tp_fsdp2_hf_config", "fused", ""),  # FSDP2 x TP loaded by transformers' DistributedConfig, compile_regions
     ("tp_loss_parallel", "fused", ""),
+    ("tp_sequence_parallel", "fused", ""),  # the head's input sequence-sharded (SequenceParallel), loss_parallel()
     ("tp_log_probs", "fused", ""),      # fxfuse::vocab_parallel_log_probs
     ("tp_log_probs_entropy", "fused", ""),  # the same with the entropy
 ])

@@ -178,6 +178,42 @@ def test_user_pass_that_specialises_a_length_is_rolled_back_and_lengths_share_a_
     assert rolled and "shape guard" in rolled[0].reason and "int(v.shape[1])" in rolled[0].location + rolled[0].reason
 
 
+def test_a_bound_a_pass_reads_is_kept_as_a_guard_and_the_rewrite_stays():
+    """A bound on a symbolic length (here ``length < 100``; under tensor parallelism ``shard >= 1`` of a rank's
+    sequence shard) does not tie the graph to one length: it is installed as a real guard, the pass is not rolled
+    back, the lengths under it share a graph, and a length beyond it recompiles once (the guard is checked)."""
+    from fxfuse.backend import fxfuse as fx_backend
+
+    seen = []
+
+    def reads_a_bound(gm: torch.fx.GraphModule) -> int:
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and isinstance(v.shape[1], torch.SymInt):
+                seen.append(bool(v.shape[1] < 100))  # a bound guard, true at every length of LENGTHS
+                return 0
+        return 0
+
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    got, _ = _run(model, "labels", "fxfuse", options={**AOT, "extra_passes": [reads_a_bound]})
+    assert max(LENGTHS) < 100
+    assert got == 2 and seen == [True]  # the static first length, then one symbolic graph for all the others
+    assert not [r for rep in fxfuse.reports() for r in rep.rolled_back], "a bound must not roll the pass back"
+
+    def graphs_over_lengths(extra):
+        torch._dynamo.reset()  # the same forward, compiled afresh with a backend that counts its graphs
+        graphs = []
+        fn = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or fx_backend(
+            gm, ex, options={**AOT, "extra_passes": extra}))
+        for n in (13, 11, 9, 110):  # static, symbolic, shared, then past the bound
+            ids = torch.randint(0, 128, (2, n))
+            fn(input_ids=ids, labels=ids).loss.backward()
+        return len(graphs)
+
+    assert graphs_over_lengths([]) == 2  # without the bound, 110 shares the symbolic graph
+    assert graphs_over_lengths([reads_a_bound]) == 3 and seen[-1] is False, seen  # with it, the guard fails there
+
+
 def test_recompile_limit_warning_names_fxfuse_and_what_changed():
     def f(x):
         return (x * 2).sum()
