@@ -26,7 +26,9 @@ Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 
 default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
 length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
-too), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``; 1 merges the
+too), ``FSDP_SP=1`` (with ``FSDP_TP``: sequence parallelism
+too, torchtitan's plan: norms on each rank's part of the sequence, all-gathers / reduce-scatters around attention and
+MLP), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``; 1 merges the
 all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
@@ -275,19 +277,37 @@ def main(impl):
     dp_mesh = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                       SequenceParallel, parallelize_module)
 
         mesh2 = init_device_mesh(dev.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
         dp_mesh = mesh2["dp"]
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        # FSDP_SP=1: sequence parallelism too (torchtitan's plan): the residual stream between layers split over
+        # the sequence on the tensor dim, the norms run on each rank's part, each layer's attention and MLP input
+        # all-gathered and their outputs reduce-scattered (instead of all-reduced); the embeddings' output
+        # reduce-scattered, the lm-head's input all-gathered. HF's Llama builds positions from its input's (local)
+        # length, so the step passes them (every row the whole sequence); its causal mask is None either way.
+        sp = os.environ.get("FSDP_SP") == "1"
+        out_sp = dict(output_layouts=Shard(1)) if sp else {}
         for layer in layers:
-            parallelize_module(layer, mesh2["tp"], {
-                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()})
-        parallelize_module(base, mesh2["tp"], {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+            plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**out_sp),
+                    "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                    "mlp.down_proj": RowwiseParallel(**out_sp)}
+            if sp:
+                plan.update({
+                    "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                    "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+            parallelize_module(layer, mesh2["tp"], plan)
+        head_plan = {"lm_head": ColwiseParallel(output_layouts=Replicate(), **(dict(input_layouts=Shard(1)) if sp else {}))}
+        if sp:
+            head_plan.update({"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+                              "model.norm": SequenceParallel()})
+        parallelize_module(base, mesh2["tp"], head_plan)
     if impl in ("inductor-regional", "fxfuse-layer"):  # per layer before sharding: hooks outside the region
         backend = "fxfuse" if impl == "fxfuse-layer" else "inductor"
         for layer in layers:
@@ -342,8 +362,14 @@ def main(impl):
 
     steps_run, loss11 = [0], [None]
 
+    positions = {}
+    if tp > 1 and os.environ.get("FSDP_SP") == "1":  # sequence parallel: positions of the whole rows
+        if mask is not None:
+            raise SystemExit("FSDP_SP=1 takes unpadded rows (no FSDP_PAD)")
+        positions["position_ids"] = torch.arange(S, device=dev).unsqueeze(0)
+
     def step():
-        out = fwd(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out = fwd(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **positions)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -440,7 +466,7 @@ def main(impl):
                gpus=dist.get_world_size(),
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / tp / dt), step_ms=round(dt * 1e3, 1),
-               tensor_parallel=tp,
+               tensor_parallel=tp, sequence_parallel=tp > 1 and os.environ.get("FSDP_SP") == "1",
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], step_host_ms_all=[round(t * 1e3, 1) for t in host], first_step_s=round(first, 1),
                setup_s=round(setup, 1), start_to_first_step_s=round(setup + first, 1),
