@@ -28,7 +28,7 @@ length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes tu
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
 too), ``FSDP_SP=1`` (with ``FSDP_TP``: sequence parallelism
 too, torchtitan's plan: norms on each rank's part of the sequence, all-gathers / reduce-scatters around attention and
-MLP), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``; 1 merges the
+MLP; ``FSDP_ASYNC_TP=1`` adds Inductor's micro-pipelined TP, CUDA only), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``; 1 merges the
 all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
@@ -308,6 +308,14 @@ def main(impl):
             head_plan.update({"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
                               "model.norm": SequenceParallel()})
         parallelize_module(base, mesh2["tp"], head_plan)
+        if sp and os.environ.get("FSDP_ASYNC_TP") == "1":  # Inductor's micro-pipelined TP (torchtitan's async TP):
+            # each all-gather + matmul and matmul + reduce-scatter of the compiled graphs becomes a fused, chunked
+            # op over symmetric memory; fxfuse's graphs go through the same Inductor post-grad passes
+            import torch._inductor.config
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            torch._inductor.config._micro_pipeline_tp = True
+            enable_symm_mem_for_group(mesh2["tp"].get_group().group_name)
     if impl in ("inductor-regional", "fxfuse-layer"):  # per layer before sharding: hooks outside the region
         backend = "fxfuse" if impl == "fxfuse-layer" else "inductor"
         for layer in layers:
@@ -467,6 +475,7 @@ def main(impl):
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / tp / dt), step_ms=round(dt * 1e3, 1),
                tensor_parallel=tp, sequence_parallel=tp > 1 and os.environ.get("FSDP_SP") == "1",
+               async_tp=tp > 1 and os.environ.get("FSDP_SP") == "1" and os.environ.get("FSDP_ASYNC_TP") == "1",
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], step_host_ms_all=[round(t * 1e3, 1) for t in host], first_step_s=round(first, 1),
                setup_s=round(setup, 1), start_to_first_step_s=round(setup + first, 1),

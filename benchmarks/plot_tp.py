@@ -26,6 +26,8 @@ def label(r) -> str:
     name = r["impl"]
     tp = r.get("tensor_parallel", 1)
     name += f", FSDP2 over {r['gpus'] // tp} x TP {tp}" if tp > 1 else f", FSDP2 over {r['gpus']}"
+    if r.get("sequence_parallel"):
+        name += " + SP" + (" + async TP" if r.get("async_tp") else "")
     if r.get("tp_all_reduce_blocks") is not None and tp > 1:
         name += f", tp_all_reduce_blocks={r['tp_all_reduce_blocks']}"
     if r.get("tag"):
