@@ -311,10 +311,10 @@ def main(impl):
         if sp and os.environ.get("FSDP_ASYNC_TP") == "1":  # Inductor's micro-pipelined TP (torchtitan's async TP):
             # each all-gather + matmul and matmul + reduce-scatter of the compiled graphs becomes a fused, chunked
             # op over symmetric memory; fxfuse's graphs go through the same Inductor post-grad passes
-            import torch._inductor.config
+            from torch._inductor import config as inductor_config
             from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-            torch._inductor.config._micro_pipeline_tp = True
+            inductor_config._micro_pipeline_tp = True
             enable_symm_mem_for_group(mesh2["tp"].get_group().group_name)
     if impl in ("inductor-regional", "fxfuse-layer"):  # per layer before sharding: hooks outside the region
         backend = "fxfuse" if impl == "fxfuse-layer" else "inductor"
