@@ -103,6 +103,17 @@ def callable_fingerprint(fn: Any) -> Optional[str]:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}:{h.hexdigest()}"
 
 
+def _runs_collectives(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` (a pass's rewrite, before it is rolled back) calls one of fxfuse's ops that run collectives
+    inside (the vocabulary-parallel lm-head ops)."""
+    for _, m in graph_modules(gm):
+        for n in m.graph.nodes:
+            name = getattr(getattr(n.target, "_schema", None), "name", "") if n.op == "call_function" else ""
+            if name.startswith("fxfuse::vocab_parallel_"):
+                return True
+    return False
+
+
 class _Unsound(FxFuseError):
     """fxfuse cannot analyse this graph without changing how it is compiled."""
 
@@ -308,6 +319,11 @@ class PassManager:
                 ctx.report.passes_run.append(spec.name)
             return int(changed)
 
+        if _runs_collectives(gm):
+            # fxfuse decides on each rank's graph alone; a rank where this rewrite stayed now runs other collectives
+            # than this one (the twenty-seventh session's hang: a guard only rank 1's shapes asked for)
+            problem += ("; the rewrite ran collectives of its own (a vocabulary-parallel op): if another rank kept it, "
+                        "the ranks' collectives differ and the step hangs or fails with a size mismatch")
         snapshot.restore()  # restored nodes carry the values they had before the pass
         loc = loc or locate(culprit)
         ctx.report.records.append(SiteRecord(spec.name, ROLLED_BACK, spec.name, problem, loc))

@@ -163,3 +163,39 @@ def test_rollback_inside_autocast_leaves_autocast_state_alone():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         b = net(x)
     assert not torch.allclose(a, b)
+
+
+def test_a_rolled_back_vocab_parallel_rewrite_says_the_ranks_may_now_differ(tmp_path, monkeypatch):
+    """fxfuse decides on each rank's graph alone. When the lm-head pass's vocabulary-parallel rewrite (an op that runs
+    collectives inside) is rolled back, the report says that a rank that kept it runs other collectives (a hang or a
+    size mismatch): what the twenty-seventh session's sequence-parallel hang looked like from one rank."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fxfuse.pass_manager as pm
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    try:
+        head = nn.Linear(16, 40, bias=False)
+        parallelize_module(head, init_device_mesh("cpu", (1,)), ColwiseParallel(output_layouts=Replicate()))
+        real_check = pm._check
+
+        def refuses_the_head(gm, ctx, *args):  # validation fails for the lm-head pass only
+            problem, node = real_check(gm, ctx, *args)
+            return (problem or "forced by the test", node) if ctx.pass_name == "linear_cross_entropy" else (problem, node)
+
+        monkeypatch.setattr(pm, "_check", refuses_the_head)
+
+        def step(h, t):
+            return F.cross_entropy(head(h).float(), t)
+
+        fn = torch.compile(step, backend="fxfuse", options=AOT)
+        fn(torch.randn(8, 16), torch.randint(0, 40, (8,))).backward()
+        rolled = [r for rep in fxfuse.reports() for r in rep.rolled_back if r.pass_name == "linear_cross_entropy"]
+        assert rolled and "forced by the test" in rolled[0].reason, [r.reason for rep in fxfuse.reports() for r in rep.records]
+        assert "the ranks' collectives differ" in rolled[0].reason, rolled[0].reason
+    finally:
+        dist.destroy_process_group()
