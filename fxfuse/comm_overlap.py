@@ -179,8 +179,8 @@ def _matmul_terms(x: fx.Node):
 def _split_site(ar: fx.Node, wait_op):
     """(terms, wait, rows) if ``ar`` all-reduces a sum of matmuls (module docstring) with a concrete row count
     that nothing else reads, else None."""
-    if len(ar.users) != 1:
-        return None
+    if len(ar.users) != 1 or ar.meta.get("fxfuse_tp_block"):
+        return None  # (a block this step made: a second run, fxfuse.install()'s pass then the backend's, keeps it)
     wait = next(iter(ar.users))
     if not _is(wait, wait_op):
         return None
@@ -235,6 +235,7 @@ def split_all_reduced_matmuls(graph: fx.Graph, blocks: int, min_rows: int = 256)
                         total = graph.call_function(aten.add.Tensor, (total, y))
                         made.append((total, lambda v: v[0] + v[1], tuple(total.args)))
                 h = graph.call_function(ar_op, (total,) + tuple(ar.args[1:]), dict(ar.kwargs))
+                h.meta["fxfuse_tp_block"] = True
                 made.append((h, lambda v: torch.empty_like(v[0]), (total,)))
                 pending.append(h)
         with graph.inserting_before(wait):

@@ -31,9 +31,10 @@ Differences from ``torch.compile(model, backend="fxfuse")``:
   DDP optimizer lack them and are left alone (compile with ``backend="fxfuse"`` there).
 
 The pass composes with a ``pre_grad_custom_pass`` the user set before: both run (theirs first), and
-:func:`uninstall` puts theirs back. The same goes for the one post-partition step fxfuse needs, added to
+:func:`uninstall` puts theirs back. The same goes for fxfuse's post-partition steps, added to
 ``post_grad_custom_post_pass`` (the host-offload round trips folded,
-:func:`fxfuse.ops.host_offload.fold_round_trips`). A torch without this hook is refused with an :class:`FxFuseError`.
+:func:`fxfuse.ops.host_offload.fold_round_trips`, and tensor parallelism's all-reduces merged as the
+``tp_all_reduce_blocks`` option says, :mod:`fxfuse.comm_overlap`). A torch without this hook is refused with an :class:`FxFuseError`.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ log = logging.getLogger("fxfuse")
 __all__ = ["install", "uninstall", "installed", "Installation"]
 
 # options of the backend's own compile path (install() only adds passes to whoever compiles)
-_NOT_IN_INSTALLED_MODE = ("compiler", "background_compile", "tp_all_reduce_blocks")
+_NOT_IN_INSTALLED_MODE = ("compiler", "background_compile")
 
 
 def _hook_support() -> Optional[str]:
@@ -162,19 +163,23 @@ def _make_fold_class():
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class FxFusePostGradFold(CustomGraphPass):
-        """The one post-partition step fxfuse needs, as an Inductor post-grad pass: the host-offload round trips
-        folded (:func:`fxfuse.ops.host_offload.fold_round_trips`; under ``backend="fxfuse"`` the backend's own
-        post-grad pass does it)."""
+        """fxfuse's post-partition steps, as an Inductor post-grad pass: the host-offload round trips folded
+        (:func:`fxfuse.ops.host_offload.fold_round_trips`) and tensor parallelism's all-reduces merged / split as
+        ``tp_all_reduce_blocks`` says (:mod:`fxfuse.comm_overlap`). Under ``backend="fxfuse"`` the backend's own
+        post-grad pass does both as well; each is idempotent, so running after this one changes nothing more."""
 
-        def __init__(self, previous: Any = None):
+        def __init__(self, previous: Any = None, tp_all_reduce_blocks: int = 1):
             self.previous = previous  # a user pass set before install() on a torch without pass lists: run first
+            self.tp_all_reduce_blocks = tp_all_reduce_blocks
 
         def __call__(self, graph: torch.fx.Graph) -> None:
+            from .comm_overlap import rewrite_tp_all_reduces
             from .ops.host_offload import fold_round_trips
 
             if self.previous is not None:
                 self.previous(graph)
             fold_round_trips(graph)
+            rewrite_tp_all_reduces(graph, self.tp_all_reduce_blocks)
 
         def uuid(self) -> Any:
             prev = None
@@ -182,7 +187,7 @@ def _make_fold_class():
                 prev = self.previous.uuid() if isinstance(self.previous, CustomGraphPass) else None
                 if prev is None:
                     return None
-            return ("fxfuse-post-grad-fold", source_hash(), prev)
+            return ("fxfuse-post-grad-fold", source_hash(), prev, self.tp_all_reduce_blocks)
 
         def __reduce__(self):
             return _pickled_as_key, (_cache_key(self),)
@@ -275,13 +280,16 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
     current = ic.pre_grad_custom_pass
     if _INSTALLED is not None and _contains(current, _INSTALLED):
         _INSTALLED.options, _INSTALLED.opts = merged, opts  # re-install: new options, same place
+        if _INSTALLED_POST is not None:
+            _INSTALLED_POST.tp_all_reduce_blocks = opts.tp_all_reduce_blocks
         return Installation(_INSTALLED)
     hook = _place("pre_grad_custom_pass", lambda previous: cls(merged, opts, previous=previous))
     _INSTALLED, _PREVIOUS = hook, current
     if hasattr(ic, "post_grad_custom_post_pass"):
         post_current = ic.post_grad_custom_post_pass
         fold_cls = _make_fold_class()
-        _INSTALLED_POST = _place("post_grad_custom_post_pass", lambda previous: fold_cls(previous))
+        _INSTALLED_POST = _place("post_grad_custom_post_pass",
+                                 lambda previous: fold_cls(previous, opts.tp_all_reduce_blocks))
         _PREVIOUS_POST = post_current
     return Installation(hook)
 

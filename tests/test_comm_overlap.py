@@ -148,6 +148,28 @@ def test_the_post_grad_pass_and_the_compile_processs_rebuild_do_the_same(one_ran
     assert post_grad(3).tp_all_reduce_blocks == 3  # what background_inductor sends its compile process
 
 
+def test_install_runs_the_rewrite_in_its_post_grad_pass_and_a_second_run_changes_nothing(one_rank):
+    """``fxfuse.install()`` (HF Trainer's ``torch_compile``) gets the same rewrite in its post-grad pass, with its
+    option; the rewrite is idempotent, so the backend's own post-grad pass after install()'s adds nothing."""
+    import torch._inductor.config as ic
+
+    import fxfuse
+    from fxfuse.comm_overlap import rewrite_tp_all_reduces
+
+    for blocks, all_reduces in ((None, 1), (0, 1), (4, 4)):
+        with fxfuse.install(**({} if blocks is None else {"tp_all_reduce_blocks": blocks})):
+            post = ic.post_grad_custom_post_pass
+            post = post[-1] if isinstance(post, (list, tuple)) else post
+            assert post.tp_all_reduce_blocks == (1 if blocks is None else blocks)
+            gm, _args, _f = _traced(one_rank, 4096)
+            post(gm.graph)
+            assert _ops(gm, "all_reduce") == all_reduces
+            # the backend's pass after it, with the same option: nothing merged or split again
+            rewrite_tp_all_reduces(gm.graph, post.tp_all_reduce_blocks)
+            assert _ops(gm, "all_reduce") == all_reduces
+            gm.graph.lint()
+
+
 def test_option_is_checked():
     from fxfuse.errors import FxFuseOptionsError
     from fxfuse.options import FxFuseOptions
