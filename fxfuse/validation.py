@@ -431,8 +431,8 @@ class GuardWatch:
     suppression. Where the installed torch lacks the hook used to observe suppressed guards, guards are left
     enabled and counted instead (the compile stays correct; it may be specialised).
 
-    A bound (``<``, ``<=``, ``>``, ``>=``) or an exclusion (``!=``) that holds at the current sizes does not tie the
-    graph to one length:
+    A bound (``<``, ``<=``, ``>``, ``>=``) or an exclusion (``!=``) that holds at the current sizes, and with any one
+    size a step either side, does not tie the graph to one length:
     :meth:`install_bounds` adds such guards for real, so Dynamo checks them on every call (a length outside the bound
     recompiles once, correctly) and the rewrite can stay. This matters under tensor parallelism: a rank's
     sequence-sharded size is a rank-dependent expression (``s - (s + 1) // 2`` on rank 1, ``(s + 1) // 2`` on rank
@@ -483,9 +483,9 @@ class GuardWatch:
             self.attempts.append((str(g.expr), str(getattr(g, "sloc", "")) or "<unknown>"))
 
     def install_bounds(self) -> bool:
-        """After the block: if every guard asked for is a bound or an exclusion that holds at the current sizes, add
-        them to the shape environment as real guards, forget them and return True; else change nothing and return
-        False."""
+        """After the block: if every guard asked for is a bound or an exclusion, and together they hold at the current
+        sizes and with any one size a step either side, add them to the shape environment as real guards, forget
+        them and return True; else change nothing and return False."""
         import sympy
 
         se = self.shape_env
@@ -496,11 +496,19 @@ class GuardWatch:
         for e in self._exprs:
             if not isinstance(e, bounds):
                 return False  # an equality (one length) or anything else: the caller rolls back
-            try:
-                if e.xreplace(se.var_to_val) is not sympy.true:
-                    return False
-            except (TypeError, ValueError):
+        # together they must hold at the current sizes and with any one size a step either side (2 at least, as
+        # Dynamo assumes), else they pin it (s >= 62 and s <= 62) or split lengths by parity: roll back
+        points = [dict(se.var_to_val)]
+        for sym in set().union(*(e.free_symbols for e in self._exprs)):
+            val = se.var_to_val.get(sym)
+            if val is None:
+                return False  # not a size with a value here (unbacked): nothing to check it by
+            points += [{**se.var_to_val, sym: val + d} for d in (-1, 1) if val + d >= 2]
+        try:
+            if any(e.xreplace(p) is not sympy.true for p in points for e in self._exprs):
                 return False
+        except (TypeError, ValueError):
+            return False
         for e in self._exprs:
             se.evaluate_expr(e)  # outside suppress_guards: a guard Dynamo installs with the compiled graph
         self.attempts.clear()

@@ -214,6 +214,26 @@ def test_a_bound_a_pass_reads_is_kept_as_a_guard_and_the_rewrite_stays():
     assert graphs_over_lengths([reads_a_bound]) == 3 and seen[-1] is False, seen  # with it, the guard fails there
 
 
+def test_two_bounds_that_pin_a_length_roll_the_pass_back():
+    """``length >= n`` and ``length <= n`` are bounds, but together they pin the length (a recompile per length):
+    checked with each size a step either side, the pass is rolled back, with the guard in the report."""
+
+    def pins_the_length(gm: torch.fx.GraphModule) -> int:
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dim() == 2 and isinstance(v.shape[1], torch.SymInt):
+                now = v.shape[1].node.hint  # the current length, read without a guard
+                bool(v.shape[1] >= now) and bool(v.shape[1] <= now)
+                return 0
+        return 0
+
+    model = tiny_causal_lm("llama", attn_implementation="sdpa")
+    got, _ = _run(model, "labels", "fxfuse", options={**AOT, "extra_passes": [pins_the_length]})
+    assert got == 2  # the static first length, then one symbolic graph: the pins never reached it
+    rolled = [r for rep in fxfuse.reports() for r in rep.rolled_back if r.pass_name == "pins_the_length"]
+    assert rolled and "shape guard" in rolled[0].reason, [r.reason for rep in fxfuse.reports() for r in rep.records]
+
+
 def test_recompile_limit_warning_names_fxfuse_and_what_changed():
     def f(x):
         return (x * 2).sum()
