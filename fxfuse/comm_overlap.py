@@ -32,8 +32,8 @@ The reduction and group are kept. This runs on AOTAutograd's partitioned graphs 
 DTensor has become plain matmuls and functional collectives. ``tp_all_reduce_blocks`` 1 (the default) merges; N >= 2
 merges and splits into N blocks; 0 leaves the graph as traced. On two H200s (Llama-3-8B widths, 16 layers, TP over
 both GPUs, the twenty-seventh session) merging took the step from 289.8 to 281.9 ms (112 all-reduces a step became
-64); two blocks were no faster (283.8 ms: 128 smaller all-reduces, 47 against 28 ms of them), so splitting stays
-opt-in.
+64); two blocks were no faster (283.8 ms: 128 smaller all-reduces, and 42.6 ms a step of NCCL not covered by
+compute against 19.9 at 1), so splitting stays opt-in.
 """
 from __future__ import annotations
 
