@@ -26,10 +26,11 @@ Environment (the issue-20 shapes): ``FSDP_SHAPE=8b`` (Llama-3-8B widths: hidden 
 default 8), ``FSDP_ROWS`` (rows per GPU, default 2), ``FSDP_PAD=1`` (rows after the first right-padded from 3/4 of their
 length: HF's mask tensor), ``FSDP_PASSES_OFF`` (comma-separated fxfuse passes turned off for ``fxfuse-regions``),
 ``FSDP_COMPILER`` (fxfuse's ``compiler`` option for ``fxfuse-regions``: ``inductor`` lowers the loss graph with Inductor
-too), ``FSDP_SP=1`` (with ``FSDP_TP``: sequence parallelism
-too, torchtitan's plan: norms on each rank's part of the sequence, all-gathers / reduce-scatters around attention and
-MLP; ``FSDP_ASYNC_TP=1`` adds Inductor's micro-pipelined TP, CUDA only), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``; 1 merges the
-all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
+too), ``FSDP_SP=1`` (with ``FSDP_TP``: sequence parallelism too, torchtitan's plan: norms on each rank's part of the
+sequence, all-gathers / reduce-scatters around attention and MLP; ``FSDP_ASYNC_TP=1`` adds Inductor's micro-pipelined
+TP, CUDA only), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``,
+default 1: 1 merges the all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks,
+0 leaves them), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
 script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under
@@ -274,6 +275,8 @@ def main(impl):
     # plan on each layer: q/k/v and gate/up column-split, o and down row-split; the lm-head split over the
     # vocabulary, its logits gathered as HF's plan does); each data rank its own rows, its TP ranks the same
     tp = int(os.environ.get("FSDP_TP", 1))
+    sp = tp > 1 and os.environ.get("FSDP_SP") == "1"  # sequence parallelism on top (below)
+    async_tp = sp and os.environ.get("FSDP_ASYNC_TP") == "1"
     dp_mesh = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -289,7 +292,6 @@ def main(impl):
         # all-gathered and their outputs reduce-scattered (instead of all-reduced); the embeddings' output
         # reduce-scattered, the lm-head's input all-gathered. HF's Llama builds positions from its input's (local)
         # length, so the step passes them (every row the whole sequence); its causal mask is None either way.
-        sp = os.environ.get("FSDP_SP") == "1"
         out_sp = dict(output_layouts=Shard(1)) if sp else {}
         for layer in layers:
             plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -303,12 +305,13 @@ def main(impl):
                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()}),
                     "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
             parallelize_module(layer, mesh2["tp"], plan)
-        head_plan = {"lm_head": ColwiseParallel(output_layouts=Replicate(), **(dict(input_layouts=Shard(1)) if sp else {}))}
+        head_in = dict(input_layouts=Shard(1)) if sp else {}  # SP: the head all-gathers its input
+        head_plan = {"lm_head": ColwiseParallel(output_layouts=Replicate(), **head_in)}
         if sp:
             head_plan.update({"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
                               "model.norm": SequenceParallel()})
         parallelize_module(base, mesh2["tp"], head_plan)
-        if sp and os.environ.get("FSDP_ASYNC_TP") == "1":  # Inductor's micro-pipelined TP (torchtitan's async TP):
+        if async_tp:  # Inductor's micro-pipelined TP (torchtitan's async TP):
             # each all-gather + matmul and matmul + reduce-scatter of the compiled graphs becomes a fused, chunked
             # op over symmetric memory; fxfuse's graphs go through the same Inductor post-grad passes
             from torch._inductor import config as inductor_config
@@ -371,7 +374,7 @@ def main(impl):
     steps_run, loss11 = [0], [None]
 
     positions = {}
-    if tp > 1 and os.environ.get("FSDP_SP") == "1":  # sequence parallel: positions of the whole rows
+    if sp:  # sequence parallel: positions of the whole rows
         if mask is not None:
             raise SystemExit("FSDP_SP=1 takes unpadded rows (no FSDP_PAD)")
         positions["position_ids"] = torch.arange(S, device=dev).unsqueeze(0)
@@ -474,8 +477,7 @@ def main(impl):
                gpus=dist.get_world_size(),
                device=torch.cuda.get_device_name() if dev.type == "cuda" else
                "cpu", torch=torch.__version__, tokens_per_s_per_gpu=round(B * S / tp / dt), step_ms=round(dt * 1e3, 1),
-               tensor_parallel=tp, sequence_parallel=tp > 1 and os.environ.get("FSDP_SP") == "1",
-               async_tp=tp > 1 and os.environ.get("FSDP_SP") == "1" and os.environ.get("FSDP_ASYNC_TP") == "1",
+               tensor_parallel=tp, sequence_parallel=sp, async_tp=async_tp,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev.type == "cuda" else None,
                step_ms_all=[round(t * 1e3, 1) for t in times], step_host_ms_all=[round(t * 1e3, 1) for t in host], first_step_s=round(first, 1),
                setup_s=round(setup, 1), start_to_first_step_s=round(setup + first, 1),

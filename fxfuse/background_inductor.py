@@ -317,8 +317,7 @@ def _child_main() -> None:
             if job["param_sources"] is not None:
                 gm._param_name_to_source = job["param_sources"]
             patches = dict(job["patches"])
-            patches["post_grad_custom_post_pass"] = _post_grad_pass(job["post_grad_uuid"],
-                                                                    job.get("tp_all_reduce_blocks", 0))
+            patches["post_grad_custom_post_pass"] = _post_grad_pass(job["post_grad_uuid"], job["tp_all_reduce_blocks"])
             if job["device"] is not None:
                 torch.cuda.set_device(job["device"])
             with tracing(TracingContext(fake_mode)), \
@@ -370,7 +369,7 @@ def _apply_process_settings(settings: Dict[str, Any]) -> None:
             setter(settings[key])
 
 
-def _post_grad_pass(uuid: Any, tp_all_reduce_blocks: int = 0):
+def _post_grad_pass(uuid: Any, tp_all_reduce_blocks: int):
     """fxfuse's post-grad pass as :meth:`PassManager.post_grad_pass` builds it (no user pass before it), with the
     parent's ``uuid()``: Inductor's cache keys must be the parent's, and so must what the pass does."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
