@@ -30,7 +30,8 @@ too), ``FSDP_SP=1`` (with ``FSDP_TP``: sequence parallelism too, torchtitan's pl
 sequence, all-gathers / reduce-scatters around attention and MLP; ``FSDP_ASYNC_TP=1`` adds Inductor's micro-pipelined
 TP, CUDA only), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``,
 default 1: 1 merges the all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks,
-0 leaves them), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
+0 leaves them), ``FSDP_COMM_OVERLAP`` (``0``: fxfuse's ``comm_overlap`` option off; ``1`` on ``inductor-regional``:
+Inductor alone with the same compute / collective reordering; see ``fxfuse.comm_overlap``), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
 script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under
@@ -223,6 +224,7 @@ def main(impl):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import fxfuse
+    from fxfuse.comm_overlap import overlap_config_patches
     from fxfuse.options import FxFuseOptions
 
     early = os.environ.get("FSDP_BACKGROUND_EARLY") == "1" and os.environ.get("FSDP_BACKGROUND") == "1"
@@ -319,10 +321,13 @@ def main(impl):
 
             inductor_config._micro_pipeline_tp = True
             enable_symm_mem_for_group(mesh2["tp"].get_group().group_name)
+    comm_overlap_env = os.environ.get("FSDP_COMM_OVERLAP", "")  # "", "0" or "1"
     if impl in ("inductor-regional", "fxfuse-layer"):  # per layer before sharding: hooks outside the region
         backend = "fxfuse" if impl == "fxfuse-layer" else "inductor"
+        # FSDP_COMM_OVERLAP=1 on Inductor alone: the same scheduler settings fxfuse's comm_overlap asks for
+        ind_opts = overlap_config_patches({}) if impl == "inductor-regional" and comm_overlap_env == "1" else None
         for layer in layers:
-            layer.forward = torch.compile(layer.forward, backend=backend)
+            layer.forward = torch.compile(layer.forward, backend=backend, options=ind_opts)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if not small else None
     kw = dict(mp_policy=mp) if mp else {}
     if dp_mesh is not None:
@@ -352,6 +357,8 @@ def main(impl):
             kw["background_compile"] = True
         if os.environ.get("FSDP_TP_BLOCKS"):  # FSDP_TP > 1: tensor parallelism's all-reduces merged / in blocks
             kw["tp_all_reduce_blocks"] = int(os.environ["FSDP_TP_BLOCKS"])
+        if comm_overlap_env:  # fxfuse's comm_overlap (default on): Inductor's compute / collective reordering
+            kw["comm_overlap"] = comm_overlap_env == "1"
         fwd = fxfuse.compile_regions(model, **kw)
     elif impl == "fxfuse-regions-nopass":
         fwd = fxfuse.compile_regions(model, passes=[])
@@ -490,6 +497,9 @@ def main(impl):
                tag=os.environ.get("FSDP_TAG", ""), floor=floor or None,
                tp_all_reduce_blocks=int(os.environ.get("FSDP_TP_BLOCKS", FxFuseOptions.parse({}).tp_all_reduce_blocks))
                if impl == "fxfuse-regions" else None,
+               # Inductor's compute / collective reordering: fxfuse's comm_overlap (default on), or asked for
+               # Inductor alone with FSDP_COMM_OVERLAP=1
+               comm_overlap=(comm_overlap_env != "0") if impl.startswith("fxfuse") else comm_overlap_env == "1",
                # fxfuse's post-grad rewrites counted in this process (comm_overlap: all-reduces merged / split)
                fxfuse_counters=dict(torch._dynamo.utils.counters["fxfuse"]),
                optimizer=f"AdamW {opt_impl}")

@@ -1,7 +1,9 @@
 """Tensor-parallel MLP layers (Llama-3-8B widths: 4096 -> 14336 -> 4096, gate / up ColwiseParallel, down
 RowwiseParallel, residual), forward + backward, over the GPUs of one host (torchrun, NCCL): Inductor alone, and
 fxfuse with ``tp_all_reduce_blocks`` = 0 / 1 / 2 / 4 (``fxfuse.comm_overlap``: 1 merges the gate / up input
-gradients' all-reduces into one, N >= 2 also splits each all-reduced matmul into N blocks of rows). Median ms of the timed steps (the ranks in lockstep, synchronised), the loss (the same
+gradients' all-reduces into one, N >= 2 also splits each all-reduced matmul into N blocks of rows). Configs
+``inductor+reorder`` (Inductor with the scheduler settings of fxfuse's ``comm_overlap``) and ``fxfuse1-inorder``
+(``comm_overlap=False``). Median ms of the timed steps (the ranks in lockstep, synchronised), the loss (the same
 within bf16 noise in every config) and the number of NCCL all-reduces a step.
 
     torchrun --nproc_per_node 2 benchmarks/bench_tp_overlap.py --tokens 8192 --layers 4
@@ -42,7 +44,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--configs", default="inductor,fxfuse0,fxfuse1,fxfuse2,fxfuse4")
+    ap.add_argument("--configs", default="inductor,inductor+reorder,fxfuse1-inorder,fxfuse1,fxfuse0,fxfuse2")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336)
@@ -51,6 +53,7 @@ def main():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import fxfuse  # noqa: F401  (registers the backend)
+    from fxfuse.comm_overlap import overlap_config_patches
 
     cuda = torch.cuda.is_available()  # CPU (gloo): a smoke run of the script, no timings worth reading
     dev = "cuda" if cuda else "cpu"
@@ -70,11 +73,15 @@ def main():
         for blk in layers:
             parallelize_module(blk, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(),
                                            "down": RowwiseParallel()})
-        if cfg == "inductor":
-            fwd = torch.compile(layers)
+        # "+reorder" on Inductor: the scheduler settings fxfuse's comm_overlap asks for; "-inorder" on fxfuse:
+        # comm_overlap off (the twenty-seventh session's fxfuse)
+        name, _, flag = cfg.partition("+") if "+" in cfg else cfg.partition("-")
+        if name == "inductor":
+            fwd = torch.compile(layers, options=overlap_config_patches({}) if flag == "reorder" else None)
         else:
             fwd = torch.compile(layers, backend="fxfuse",
-                                options={"tp_all_reduce_blocks": int(cfg[len("fxfuse"):]), "compiler": "inductor"})
+                                options={"tp_all_reduce_blocks": int(name[len("fxfuse"):]), "compiler": "inductor",
+                                         "comm_overlap": flag != "inorder"})
         xi = x.clone().requires_grad_()
 
         def step():

@@ -34,6 +34,19 @@ merges and splits into N blocks; 0 leaves the graph as traced. On two H200s (Lla
 both GPUs, the twenty-seventh session) merging took the step from 289.8 to 281.9 ms (112 all-reduces a step became
 64); two blocks were no faster (283.8 ms: 128 smaller all-reduces, and 42.6 ms a step of NCCL not covered by
 compute against 19.9 at 1), so splitting stays opt-in.
+
+**Scheduling** (option ``comm_overlap``, :func:`overlap_config_patches`): AOTAutograd writes a linear's backward as
+its weight gradient, then its input gradient, so a ColwiseParallel input gradient's all-reduce is the last thing
+computed before its wait, and the GPU's compute idles for the whole all-reduce::
+
+    dW = mm(x.T, g); dx = mm(g, W); h = all_reduce(dx); wait_tensor(h); norm_backward(dx)
+
+Inductor's ``reorder_compute_for_overlap`` scheduler pass (``config.reorder_for_compute_comm_overlap``) issues each
+collective as early as its operand allows and schedules the computation it does not need (here ``dW``) before its
+wait. It runs after Inductor's peak-memory reordering, which an FX-level reordering here would not survive: on the
+CPU at Llama-like widths that reordering put the weight-gradient matmuls back before the all-reduce. With no
+collective in a graph the pass keeps the order as it is, and fxfuse only asks for it where the Dynamo graph holds
+DTensors or functional collectives (:func:`may_hold_collectives`).
 """
 from __future__ import annotations
 
@@ -45,7 +58,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["merge_summed_all_reduces", "rewrite_tp_all_reduces", "split_all_reduced_matmuls"]
+__all__ = ["may_hold_collectives", "merge_summed_all_reduces", "overlap_config_patches", "rewrite_tp_all_reduces",
+           "split_all_reduced_matmuls"]
 
 log = logging.getLogger("fxfuse")
 aten = torch.ops.aten
@@ -298,3 +312,41 @@ def rewrite_tp_all_reduces(graph: fx.Graph, blocks: int) -> None:
         # a post-grad graph has no fusion report: say what was done where the user can see it (logging)
         log.info("fxfuse tp_all_reduce_blocks=%d: %d all-reduces merged into sums, %d all-reduced matmuls split into "
                  "blocks", blocks, merged, split)
+
+
+# Inductor's scheduler settings for compute / collective overlap (module docstring: Scheduling)
+_OVERLAP_PATCHES = {"reorder_for_compute_comm_overlap": True,
+                    "reorder_for_compute_comm_overlap_passes": ("reorder_compute_for_overlap",)}
+
+
+def may_hold_collectives(gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether a Dynamo graph can hold collectives once AOTAutograd has traced it: it computes on DTensors (tensor
+    or sequence parallelism, whose redistributions become functional collectives) or calls functional collectives
+    itself. FSDP2's own collectives run in its hooks, outside the compiled graphs."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    vals = list(example_inputs) + [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes]
+    if any(isinstance(v, DTensor) for v in vals):
+        return True
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and (getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
+                                        or getattr(n.target, "__module__", "").startswith("torch.distributed")):
+            return True
+    return False
+
+
+def overlap_config_patches(user_patches) -> dict:
+    """Inductor config patches for ``comm_overlap``: Inductor's ``reorder_compute_for_overlap`` pass, unless the
+    user set either of its settings (in ``user_patches`` or in ``torch._inductor.config``) or this torch has no such
+    pass."""
+    import torch._inductor.comms as comms
+    import torch._inductor.config as ic
+
+    if not hasattr(comms, "reorder_compute_for_overlap") or not hasattr(ic, "reorder_for_compute_comm_overlap"):
+        return {}
+    if any(k in user_patches for k in _OVERLAP_PATCHES) or ic.reorder_for_compute_comm_overlap \
+            or ic.reorder_for_compute_comm_overlap_passes:
+        return {}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in _OVERLAP_PATCHES.items()}

@@ -247,6 +247,7 @@ _INSTALLED: Optional[Any] = None  # our pass object while installed
 _PREVIOUS: Any = None  # what config.pre_grad_custom_pass held before install()
 _INSTALLED_POST: Optional[Any] = None  # our post-grad fold while installed
 _PREVIOUS_POST: Any = None  # what config.post_grad_custom_post_pass held before install()
+_OVERLAP_SET: Dict[str, Any] = {}  # the scheduler settings install() set for comm_overlap: {name: value before}
 
 
 def _supports_pass_lists() -> bool:
@@ -282,6 +283,7 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
         _INSTALLED.options, _INSTALLED.opts = merged, opts  # re-install: new options, same place
         if _INSTALLED_POST is not None:
             _INSTALLED_POST.tp_all_reduce_blocks = opts.tp_all_reduce_blocks
+        _set_overlap(opts.comm_overlap)
         return Installation(_INSTALLED)
     hook = _place("pre_grad_custom_pass", lambda previous: cls(merged, opts, previous=previous))
     _INSTALLED, _PREVIOUS = hook, current
@@ -291,7 +293,34 @@ def install(options: Optional[Dict[str, Any]] = None, **fxfuse_options: Any) -> 
         _INSTALLED_POST = _place("post_grad_custom_post_pass",
                                  lambda previous: fold_cls(previous, opts.tp_all_reduce_blocks))
         _PREVIOUS_POST = post_current
+    _set_overlap(opts.comm_overlap)
     return Installation(hook)
+
+
+def _set_overlap(on: bool) -> None:
+    """``comm_overlap`` under install(): Inductor's compute / collective reordering for every graph it compiles
+    (a graph without collectives keeps its order; :mod:`fxfuse.comm_overlap`), unless the user set it; off, what
+    install() set is put back."""
+    import torch._inductor.config as ic
+
+    from .comm_overlap import overlap_config_patches
+
+    if not on:
+        _restore_overlap()
+        return
+    if _OVERLAP_SET:
+        return
+    for name, value in overlap_config_patches({}).items():
+        _OVERLAP_SET[name] = getattr(ic, name)
+        setattr(ic, name, value)
+
+
+def _restore_overlap() -> None:
+    import torch._inductor.config as ic
+
+    for name, before in _OVERLAP_SET.items():
+        setattr(ic, name, before)
+    _OVERLAP_SET.clear()
 
 
 def _place(name: str, make: Any) -> Any:
@@ -329,6 +358,7 @@ def uninstall() -> bool:
 
     hook, previous, post, post_previous = _INSTALLED, _PREVIOUS, _INSTALLED_POST, _PREVIOUS_POST
     _INSTALLED = _PREVIOUS = _INSTALLED_POST = _PREVIOUS_POST = None
+    _restore_overlap()
     if post is not None:
         _remove("post_grad_custom_post_pass", post, post_previous)
     if hook is None:

@@ -52,6 +52,10 @@ FXFUSE_KEYS = {
                             "the sum (a ColwiseParallel input's gradient: q / k / v, gate / up); N >= 2: that, and "
                             "each all-reduced matmul split into N blocks of rows, each all-reduced while the next "
                             "block's matmul runs",
+    "comm_overlap": "bool: in graphs with collectives (tensor parallelism's), Inductor's scheduler issues each "
+                    "collective as soon as its operand is computed and runs the computation it does not need (a "
+                    "backward's weight-gradient matmuls) before its wait (Inductor's reorder_compute_for_overlap; "
+                    "default True; Inductor options of your own for it win; see fxfuse.comm_overlap)",
     "verify": "bool: run the graph before and after each pass once on the first real inputs (forward and "
               "gradients) and roll back a pass that changes values beyond dtype tolerance (default: env "
               "FXFUSE_VERIFY=1, else False; see fxfuse.verify)",
@@ -139,6 +143,7 @@ class FxFuseOptions:
     plan_tokens: Optional[int] = None  # auto modes of a symbolic-length graph decide at this many tokens
     background_compile: bool = False  # AOTAutograd alone until a compile process has filled Inductor's caches
     tp_all_reduce_blocks: int = 1  # 0 off, 1 merge summed all-reduces, N >= 2 also N blocks (fxfuse.comm_overlap)
+    comm_overlap: bool = True  # Inductor's reorder_compute_for_overlap in graphs with collectives (comm_overlap)
 
     @classmethod
     def parse(cls, options: Optional[Dict[str, Any]]) -> "FxFuseOptions":
@@ -217,7 +222,7 @@ class FxFuseOptions:
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
                    offload_mode=offload_mode, plan_tokens=plan_tokens, background_compile=background,
-                   tp_all_reduce_blocks=blocks)
+                   tp_all_reduce_blocks=blocks, comm_overlap=_check_bool("comm_overlap", ours.get("comm_overlap", True)))
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:

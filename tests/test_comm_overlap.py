@@ -182,6 +182,62 @@ def test_option_is_checked():
             FxFuseOptions.parse({"tp_all_reduce_blocks": bad})
 
 
+def test_comm_overlap_option_and_install_scope_inductors_reordering():
+    """``comm_overlap`` (default on) asks Inductor for its compute / collective reordering; install() sets it for
+    its lifetime and puts back what was there; a user's own setting of it is left alone."""
+    import torch._inductor.config as ic
+
+    import fxfuse
+    from fxfuse.comm_overlap import overlap_config_patches
+    from fxfuse.errors import FxFuseOptionsError
+    from fxfuse.options import FxFuseOptions
+
+    assert FxFuseOptions.parse({}).comm_overlap is True
+    assert FxFuseOptions.parse({"comm_overlap": False}).comm_overlap is False
+    with pytest.raises(FxFuseOptionsError, match="comm_overlap"):
+        FxFuseOptions.parse({"comm_overlap": "no"})
+    assert overlap_config_patches({}) == {"reorder_for_compute_comm_overlap": True,
+                                          "reorder_for_compute_comm_overlap_passes": ["reorder_compute_for_overlap"]}
+    assert overlap_config_patches({"reorder_for_compute_comm_overlap_passes": ["sink_waits"]}) == {}
+    before = (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes))
+    with fxfuse.install():
+        assert ic.reorder_for_compute_comm_overlap is True
+        assert list(ic.reorder_for_compute_comm_overlap_passes) == ["reorder_compute_for_overlap"]
+        fxfuse.install(comm_overlap=False)  # re-installed without it: what was there comes back
+        assert (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes)) == before
+    assert (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes)) == before
+    with ic.patch(reorder_for_compute_comm_overlap=True, reorder_for_compute_comm_overlap_passes=["sink_waits"]):
+        with fxfuse.install():
+            assert list(ic.reorder_for_compute_comm_overlap_passes) == ["sink_waits"]  # the user's, kept
+        assert list(ic.reorder_for_compute_comm_overlap_passes) == ["sink_waits"]
+
+
+def test_only_graphs_that_can_hold_collectives_ask_for_the_reordering(one_rank):
+    """A graph on plain tensors compiles with Inductor's settings untouched (its cache key and code as before);
+    one computing on DTensors or calling functional collectives asks for the reordering."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fxfuse.comm_overlap import may_hold_collectives
+
+    def plain(x):
+        return torch.relu(x @ x.T)
+
+    x = torch.randn(8, 8)
+    gm = torch.fx.symbolic_trace(plain)
+    assert not may_hold_collectives(gm, [x])
+    mesh = init_device_mesh("cpu", (1,))
+    assert may_hold_collectives(gm, [distribute_tensor(x, mesh, [Replicate()])])
+    c10d = torch.ops._c10d_functional
+
+    def reduced(x):
+        return c10d.wait_tensor(c10d.all_reduce(x, "sum", one_rank))
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    assert may_hold_collectives(make_fx(reduced)(x), [x])
+
+
 class GatedMLP(torch.nn.Module):
     def __init__(self, d=32, f=64):
         super().__init__()
@@ -193,6 +249,24 @@ class GatedMLP(torch.nn.Module):
         return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
 
 
+def _matmuls_in_flight(codes) -> int:
+    """The most matmuls Inductor's code runs between issuing an all-reduce and waiting for it."""
+    import re
+
+    most = 0
+    for code in codes:
+        calls = re.findall(r"extern_kernels\.mm\(|all_reduce_\.default\(|wait_tensor\.default\(", code)
+        open_mms = None
+        for c in calls:
+            if c.startswith("all_reduce"):
+                open_mms = 0
+            elif c.startswith("wait"):
+                most, open_mms = max(most, open_mms or 0), None
+            elif open_mms is not None:
+                open_mms += 1
+    return most
+
+
 def _worker(rank, world, port, result_path):
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -200,6 +274,8 @@ def _worker(rank, world, port, result_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch._inductor.utils import run_and_get_code
 
     import fxfuse  # noqa: F401  (registers the backend)
 
@@ -209,7 +285,7 @@ def _worker(rank, world, port, result_path):
         mesh = init_device_mesh("cpu", (world,))
         g = torch.Generator().manual_seed(0)
         x = torch.randn(4, 300, 32, generator=g)  # 1,200 token rows: 4 blocks of 300
-        for mode in ("eager", "merged", "blocks"):
+        for mode in ("eager", "merged", "blocks", "in_order"):
             torch.manual_seed(0)
             mlp = GatedMLP()
             parallelize_module(mlp, mesh, {"gate": ColwiseParallel(), "up": ColwiseParallel(),
@@ -220,8 +296,10 @@ def _worker(rank, world, port, result_path):
                 return mlp(t).pow(2).mean()
 
             fn = step if mode == "eager" else torch.compile(step, backend="fxfuse", options={
-                "tp_all_reduce_blocks": 1 if mode == "merged" else 4, "compiler": "inductor"})
-            fn(xi).backward()  # the compile (Dynamo and Inductor trace the collectives on fake tensors)
+                "tp_all_reduce_blocks": 4 if mode == "blocks" else 1, "comm_overlap": mode != "in_order",
+                "compiler": "inductor"})
+            # the compile (Dynamo and Inductor trace the collectives on fake tensors), with Inductor's code
+            _, code = run_and_get_code(lambda: fn(xi).backward())
             for p in mlp.parameters():
                 p.grad = None
             xi.grad = None
@@ -231,7 +309,8 @@ def _worker(rank, world, port, result_path):
             full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
             out[mode] = {"loss": float(full(loss)), "grad_x": xi.grad.tolist(),
                          "grads": [full(p.grad).tolist() for p in mlp.parameters()],
-                         "all_reduces": sum(1 for e in prof.events() if e.name.startswith("gloo:all_reduce"))}
+                         "all_reduces": sum(1 for e in prof.events() if e.name.startswith("gloo:all_reduce")),
+                         "matmuls_in_flight": _matmuls_in_flight(code)}
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -252,7 +331,12 @@ def test_two_ranks_tensor_parallel_mlp_overlapped_matches_eager(tmp_path):
     assert e["all_reduces"] == 3, e["all_reduces"]
     assert r["merged"]["all_reduces"] == 2, r["merged"]["all_reduces"]  # gate's and up's gradients: one
     assert r["blocks"]["all_reduces"] == 8, r["blocks"]["all_reduces"]  # and both sites in 4 blocks
-    for f in (r["merged"], r["blocks"]):
+    assert r["in_order"]["all_reduces"] == 2
+    # comm_overlap (default): the weight-gradient matmuls run between the input gradient's all-reduce and its
+    # wait; as traced (and with comm_overlap=False) the wait follows the all-reduce at once
+    assert r["merged"]["matmuls_in_flight"] >= 2, r["merged"]["matmuls_in_flight"]
+    assert r["in_order"]["matmuls_in_flight"] == 0, r["in_order"]["matmuls_in_flight"]
+    for f in (r["merged"], r["blocks"], r["in_order"]):
         assert f["loss"] == pytest.approx(e["loss"], rel=1e-5)
         torch.testing.assert_close(torch.tensor(f["grad_x"]), torch.tensor(e["grad_x"]), rtol=1e-4, atol=1e-6)
         for a, b in zip(f["grads"], e["grads"]):
