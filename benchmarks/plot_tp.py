@@ -1,6 +1,10 @@
 """Draw tensor-parallel rows: step time and peak memory per impl, one panel per device call (every bar of a panel
 measured on the same host), for ``bench_fsdp2.py`` rows (``FSDP_TP``) and ``examples/hf_trainer_fsdp2.py --tp`` rows.
 
+    python benchmarks/plot_tp.py -o benchmarks/results/h200-tp-2026-11-27-s28.png \
+        benchmarks/results/h200x2-tp-2026-11-27-s28.jsonl:1 \
+        benchmarks/results/h200x2-hf-trainer-tp-2026-11-27-s28.jsonl:2 \
+        benchmarks/results/h200x4-fsdp2-tp-2026-11-27-s28.jsonl:3
     python benchmarks/plot_tp.py -o benchmarks/results/h200-tp-2026-11-27-s27.png \
         benchmarks/results/h200x2-tp-2026-11-27-s27.jsonl:1 \
         benchmarks/results/h200x4-fsdp2-tp-2026-11-27-s27.jsonl:2 \
@@ -30,6 +34,11 @@ def label(r) -> str:
         name += " + SP" + (" + async TP" if r.get("async_tp") else "")
     if r.get("tp_all_reduce_blocks") is not None and tp > 1:
         name += f", tp_all_reduce_blocks={r['tp_all_reduce_blocks']}"
+    if "comm_overlap" in r and tp > 1:  # fxfuse's comm_overlap, or Inductor alone asked for the same reordering
+        if r["impl"].startswith("fxfuse") and not r["comm_overlap"]:
+            name += ", comm_overlap=False"
+        elif not r["impl"].startswith("fxfuse") and r["comm_overlap"]:
+            name += " + reorder_compute_for_overlap"
     if r.get("tag"):
         name += f" ({r['tag']})"
     return name
@@ -44,7 +53,7 @@ def main():
     for spec in a.calls:
         path, call = spec.rsplit(":", 1)
         rows = [r for r in map(json.loads, open(path)) if r.get("call") == int(call) and r.get("step_ms")
-                and not r.get("anchor")]
+                and not r.get("anchor") and ("impl" in r or "mode" in r)]
         panels.append((path.rsplit("/", 1)[-1], int(call), rows))
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.2 + 0.45 * sum(len(p[2]) for p in panels)))
     for ax, (name, call, rows) in zip(axes if len(panels) > 1 else [axes], panels):
