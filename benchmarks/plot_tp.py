@@ -4,7 +4,7 @@ measured on the same host), for ``bench_fsdp2.py`` rows (``FSDP_TP``) and ``exam
     python benchmarks/plot_tp.py -o benchmarks/results/h200-tp-2026-11-27-s28.png \
         benchmarks/results/h200x2-tp-2026-11-27-s28.jsonl:1 \
         benchmarks/results/h200x2-hf-trainer-tp-2026-11-27-s28.jsonl:2 \
-        benchmarks/results/h200x4-fsdp2-tp-2026-11-27-s28.jsonl:3
+        benchmarks/results/h200x4-fsdp2-tp-2026-11-27-s28.jsonl:3 benchmarks/results/h200x2-tp-2026-11-27-s28.jsonl:4
     python benchmarks/plot_tp.py -o benchmarks/results/h200-tp-2026-11-27-s27.png \
         benchmarks/results/h200x2-tp-2026-11-27-s27.jsonl:1 \
         benchmarks/results/h200x4-fsdp2-tp-2026-11-27-s27.jsonl:2 \

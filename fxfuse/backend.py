@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from .background_inductor import (CannotCompileInBackground, compile_in_background,
                                   reason_not_to_compile_in_background)
-from .comm_overlap import may_hold_collectives, overlap_config_patches
+from .comm_overlap import may_hold_collectives, overlap_config_patches, runs_collectives_inside
 from .errors import FxFuseError, raised_through_dynamo
 from .graph_utils import node_val
 from .lowering import reason_to_skip_inductor
@@ -61,11 +61,16 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
         patches.update(torch._inductor.list_mode_options(mode))
     patches.update(opts.inductor)
     patches.update(_data_dependent_size_patches(gm, patches))
+    overlap_note = ""
     if opts.comm_overlap and may_hold_collectives(gm, example_inputs):
-        overlap = overlap_config_patches(patches)  # collectives overlapped (fxfuse.comm_overlap: Scheduling)
-        patches.update(overlap)
-        if overlap:  # counted where the all-reduce rewrites are (Dynamo's counters; benchmarks put them in rows)
-            torch._dynamo.utils.counters["fxfuse"]["comm_overlap_graphs"] += 1
+        if runs_collectives_inside(gm):  # a vocabulary-parallel op: the ranks' collective order must not move
+            overlap_note = ("; comm_overlap off for this graph: a vocabulary-parallel op runs collectives the "
+                            "scheduler cannot see")
+        else:
+            overlap = overlap_config_patches(patches)  # collectives overlapped (fxfuse.comm_overlap: Scheduling)
+            patches.update(overlap)
+            if overlap:  # counted beside the all-reduce rewrites (Dynamo's counters; benchmarks put them in rows)
+                torch._dynamo.utils.counters["fxfuse"]["comm_overlap_graphs"] += 1
     patches["post_grad_custom_post_pass"] = manager.post_grad_pass(
         patches.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass))
     if manager.debug_dir:
@@ -98,6 +103,8 @@ def fxfuse(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: Optional[str
             rep.lowering = f"inductor, at once: {why_not}"
     if compiled is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if overlap_note and rep.lowering.startswith("inductor"):
+        rep.lowering += overlap_note
     return wrap_site_errors(wrap_substitutions(compiled, subs), sites, gm)
 
 

@@ -46,7 +46,10 @@ collective as early as its operand allows and schedules the computation it does 
 wait. It runs after Inductor's peak-memory reordering, which an FX-level reordering here would not survive: on the
 CPU at Llama-like widths that reordering put the weight-gradient matmuls back before the all-reduce. With no
 collective in a graph the pass keeps the order as it is, and fxfuse only asks for it where the Dynamo graph holds
-DTensors or functional collectives (:func:`may_hold_collectives`).
+DTensors or functional collectives (:func:`may_hold_collectives`). A graph that also holds one of fxfuse's ops that
+run collectives inside (the vocabulary-parallel loss) keeps Inductor's order (:func:`runs_collectives_inside`,
+checked again on the scheduler's nodes by :func:`reorder_compute_for_overlap_safely`, which ``fxfuse.install()``
+relies on).
 """
 from __future__ import annotations
 
@@ -58,8 +61,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["may_hold_collectives", "merge_summed_all_reduces", "overlap_config_patches", "rewrite_tp_all_reduces",
-           "split_all_reduced_matmuls"]
+__all__ = ["may_hold_collectives", "merge_summed_all_reduces", "overlap_config_patches", "reorder_compute_for_overlap_safely",
+           "rewrite_tp_all_reduces", "runs_collectives_inside", "split_all_reduced_matmuls"]
 
 log = logging.getLogger("fxfuse")
 aten = torch.ops.aten
@@ -314,9 +317,30 @@ def rewrite_tp_all_reduces(graph: fx.Graph, blocks: int) -> None:
                  "blocks", blocks, merged, split)
 
 
-# Inductor's scheduler settings for compute / collective overlap (module docstring: Scheduling)
+def _hides_collectives(snode) -> bool:
+    """Whether an Inductor scheduler node runs one of fxfuse's ops that issue collectives inside."""
+    for s in snode.get_nodes() if hasattr(snode, "get_nodes") else [snode]:
+        op = getattr(getattr(s, "node", None), "op_overload", None)
+        if getattr(getattr(op, "_schema", None), "name", "").startswith("fxfuse::vocab_parallel_"):
+            return True
+    return False
+
+
+def reorder_compute_for_overlap_safely(snodes):
+    """Inductor's ``reorder_compute_for_overlap`` scheduler pass, except on a graph that holds one of fxfuse's ops
+    that run collectives inside (:func:`runs_collectives_inside`: the pass would see it as computation and could
+    move it across the graph's collectives differently on two ranks). Such a graph keeps its order."""
+    import torch._inductor.comms as comms
+
+    if any(_hides_collectives(s) for s in snodes):
+        return snodes
+    return comms.reorder_compute_for_overlap(snodes)
+
+
+# Inductor's scheduler settings for compute / collective overlap (module docstring: Scheduling). A module-level
+# function pickles by name, so Inductor's FX-graph cache keys on it and hits across processes.
 _OVERLAP_PATCHES = {"reorder_for_compute_comm_overlap": True,
-                    "reorder_for_compute_comm_overlap_passes": ("reorder_compute_for_overlap",)}
+                    "reorder_for_compute_comm_overlap_passes": (reorder_compute_for_overlap_safely,)}
 
 
 def may_hold_collectives(gm: fx.GraphModule, example_inputs) -> bool:
@@ -337,10 +361,26 @@ def may_hold_collectives(gm: fx.GraphModule, example_inputs) -> bool:
     return False
 
 
+def runs_collectives_inside(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls one of fxfuse's ops that run collectives inside (the vocabulary-parallel lm-head ops).
+    Inductor's scheduler sees such an op as computation and may move it across the graph's own collectives, by
+    runtime estimates that can differ between ranks whose shards differ (sequence parallelism at an odd length):
+    one rank would then issue the two collectives in the other order and the step would hang. Such graphs keep
+    Inductor's default order."""
+    from .graph_utils import graph_modules
+
+    for _, m in graph_modules(gm):
+        for n in m.graph.nodes:
+            name = getattr(getattr(n.target, "_schema", None), "name", "") if n.op == "call_function" else ""
+            if name.startswith("fxfuse::vocab_parallel_"):
+                return True
+    return False
+
+
 def overlap_config_patches(user_patches) -> dict:
-    """Inductor config patches for ``comm_overlap``: Inductor's ``reorder_compute_for_overlap`` pass, unless the
-    user set either of its settings (in ``user_patches`` or in ``torch._inductor.config``) or this torch has no such
-    pass."""
+    """Inductor config patches for ``comm_overlap``: Inductor's ``reorder_compute_for_overlap`` pass
+    (:func:`reorder_compute_for_overlap_safely`), unless the user set either of its settings (in ``user_patches``
+    or in ``torch._inductor.config``) or this torch has no such pass."""
     import torch._inductor.comms as comms
     import torch._inductor.config as ic
 

@@ -35,6 +35,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import torch.fx as fx
 
 from . import registry, report_log
+from .comm_overlap import runs_collectives_inside
 from .diagnostics import describe_node, graph_name, locate, raise_site, warn_near_recompile_limit
 from .errors import FxFuseError, FxFusePassError, FxFuseValidationError, raised_through_dynamo
 from .graph_utils import graph_modules
@@ -101,17 +102,6 @@ def callable_fingerprint(fn: Any) -> Optional[str]:
     h = hashlib.sha256(code.co_code)
     h.update(repr(code.co_consts).encode())
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}:{h.hexdigest()}"
-
-
-def _runs_collectives(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` (a pass's rewrite, before it is rolled back) calls one of fxfuse's ops that run collectives
-    inside (the vocabulary-parallel lm-head ops)."""
-    for _, m in graph_modules(gm):
-        for n in m.graph.nodes:
-            name = getattr(getattr(n.target, "_schema", None), "name", "") if n.op == "call_function" else ""
-            if name.startswith("fxfuse::vocab_parallel_"):
-                return True
-    return False
 
 
 class _Unsound(FxFuseError):
@@ -319,7 +309,7 @@ class PassManager:
                 ctx.report.passes_run.append(spec.name)
             return int(changed)
 
-        if _runs_collectives(gm):
+        if runs_collectives_inside(gm):
             # fxfuse decides on each rank's graph alone; a rank where this rewrite stayed now runs other collectives
             # than this one (the twenty-seventh session's hang: a guard only rank 1's shapes asked for)
             problem += ("; the rewrite ran collectives of its own (a vocabulary-parallel op): if another rank kept it, "

@@ -188,7 +188,7 @@ def test_comm_overlap_option_and_install_scope_inductors_reordering():
     import torch._inductor.config as ic
 
     import fxfuse
-    from fxfuse.comm_overlap import overlap_config_patches
+    from fxfuse.comm_overlap import overlap_config_patches, reorder_compute_for_overlap_safely
     from fxfuse.errors import FxFuseOptionsError
     from fxfuse.options import FxFuseOptions
 
@@ -197,12 +197,12 @@ def test_comm_overlap_option_and_install_scope_inductors_reordering():
     with pytest.raises(FxFuseOptionsError, match="comm_overlap"):
         FxFuseOptions.parse({"comm_overlap": "no"})
     assert overlap_config_patches({}) == {"reorder_for_compute_comm_overlap": True,
-                                          "reorder_for_compute_comm_overlap_passes": ["reorder_compute_for_overlap"]}
+                                          "reorder_for_compute_comm_overlap_passes": [reorder_compute_for_overlap_safely]}
     assert overlap_config_patches({"reorder_for_compute_comm_overlap_passes": ["sink_waits"]}) == {}
     before = (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes))
     with fxfuse.install():
         assert ic.reorder_for_compute_comm_overlap is True
-        assert list(ic.reorder_for_compute_comm_overlap_passes) == ["reorder_compute_for_overlap"]
+        assert list(ic.reorder_for_compute_comm_overlap_passes) == [reorder_compute_for_overlap_safely]
         fxfuse.install(comm_overlap=False)  # re-installed without it: what was there comes back
         assert (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes)) == before
     assert (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes)) == before
@@ -236,6 +236,26 @@ def test_only_graphs_that_can_hold_collectives_ask_for_the_reordering(one_rank):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     assert may_hold_collectives(make_fx(reduced)(x), [x])
+
+
+def test_a_graph_with_a_vocab_parallel_op_keeps_inductors_order(monkeypatch):
+    """The vocabulary-parallel ops run collectives the scheduler cannot see: a graph holding one is left in its
+    order (two ranks with different shard sizes could otherwise reorder it differently and hang); any other graph
+    goes through Inductor's pass."""
+    from types import SimpleNamespace
+
+    import torch._inductor.comms as comms
+
+    import fxfuse.ops  # noqa: F401  (registers fxfuse's ops)
+    from fxfuse.comm_overlap import reorder_compute_for_overlap_safely
+
+    calls = []
+    monkeypatch.setattr(comms, "reorder_compute_for_overlap", lambda snodes: calls.append(snodes) or snodes[::-1])
+    vocab_op = SimpleNamespace(node=SimpleNamespace(op_overload=torch.ops.fxfuse.vocab_parallel_cross_entropy.default))
+    mm = SimpleNamespace(node=SimpleNamespace(op_overload=torch.ops.aten.mm.default))
+    add = SimpleNamespace(node=SimpleNamespace(op_overload=torch.ops.aten.add.Tensor))
+    assert reorder_compute_for_overlap_safely([mm, vocab_op]) == [mm, vocab_op] and not calls
+    assert reorder_compute_for_overlap_safely([mm, add]) == [add, mm] and len(calls) == 1  # Inductor's pass ran
 
 
 class GatedMLP(torch.nn.Module):
