@@ -200,7 +200,8 @@ def main():
             # fxfuse's post-grad rewrites on this rank (tensor parallelism's all-reduces merged / split)
             "fxfuse_counters": dict(torch._dynamo.utils.counters["fxfuse"]),
             # Inductor's compute / collective reordering as the run left it (install()'s comm_overlap sets it)
-            "inductor_comm_reorder": list(torch._inductor.config.reorder_for_compute_comm_overlap_passes)
+            "inductor_comm_reorder": [getattr(p, "__name__", p) for p in
+                                      torch._inductor.config.reorder_for_compute_comm_overlap_passes]
             if torch._inductor.config.reorder_for_compute_comm_overlap else None,
             "rolled_back": [f"{r.pass_name}: {r.reason[:160]}" for rep in fxfuse.reports() for r in rep.rolled_back],
             "fsdp2": any(isinstance(m, FSDPModule) for m in trainer.model.modules()),
