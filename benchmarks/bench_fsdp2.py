@@ -31,7 +31,8 @@ sequence, all-gathers / reduce-scatters around attention and MLP; ``FSDP_ASYNC_T
 TP, CUDA only), ``FSDP_TP_BLOCKS`` (with ``FSDP_TP``: fxfuse's ``tp_all_reduce_blocks`` option for ``fxfuse-regions``,
 default 1: 1 merges the all-reduces of summed input gradients, N >= 2 also splits all-reduced matmuls into N blocks,
 0 leaves them), ``FSDP_COMM_OVERLAP`` (``0``: fxfuse's ``comm_overlap`` option off; ``1`` on ``inductor-regional``:
-Inductor alone with the same compute / collective reordering; see ``fxfuse.comm_overlap``), ``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
+Inductor alone with the same compute / collective reordering; see ``fxfuse.comm_overlap``),
+``FSDP_BACKGROUND=1`` (``fxfuse-regions`` with ``background_compile=True``: the row adds the steps until every
 graph ran Inductor's version, ``early_steps_ms`` and ``to_compiled_s``, and each background compile: the child's and the
 switch's seconds, the cache hits at the switch; ``FSDP_BACKGROUND_EARLY=1`` starts the compile process at the
 script's start with ``fxfuse.start_background_compile_process()``), ``FSDP_CPROFILE=1`` (rank 0's first step under

@@ -61,8 +61,9 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["may_hold_collectives", "merge_summed_all_reduces", "overlap_config_patches", "reorder_compute_for_overlap_safely",
-           "rewrite_tp_all_reduces", "runs_collectives_inside", "split_all_reduced_matmuls"]
+__all__ = ["may_hold_collectives", "merge_summed_all_reduces", "overlap_config_patches",
+           "reorder_compute_for_overlap_safely", "rewrite_tp_all_reduces", "runs_collectives_inside",
+           "split_all_reduced_matmuls"]
 
 log = logging.getLogger("fxfuse")
 aten = torch.ops.aten

@@ -222,7 +222,8 @@ class FxFuseOptions:
         return cls(compiler=compiler, passes=passes, extra_passes=list(extra), strict=strict, debug_dir=debug_dir,
                    pass_options=pass_options, verify=verify, inductor=options, offload_min_bytes=offload_bytes,
                    offload_mode=offload_mode, plan_tokens=plan_tokens, background_compile=background,
-                   tp_all_reduce_blocks=blocks, comm_overlap=_check_bool("comm_overlap", ours.get("comm_overlap", True)))
+                   tp_all_reduce_blocks=blocks,
+                   comm_overlap=_check_bool("comm_overlap", ours.get("comm_overlap", True)))
 
     def enabled(self, name: str, default: bool) -> bool:
         if self.passes is None:

@@ -196,8 +196,9 @@ def test_comm_overlap_option_and_install_scope_inductors_reordering():
     assert FxFuseOptions.parse({"comm_overlap": False}).comm_overlap is False
     with pytest.raises(FxFuseOptionsError, match="comm_overlap"):
         FxFuseOptions.parse({"comm_overlap": "no"})
-    assert overlap_config_patches({}) == {"reorder_for_compute_comm_overlap": True,
-                                          "reorder_for_compute_comm_overlap_passes": [reorder_compute_for_overlap_safely]}
+    assert overlap_config_patches({}) == {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [reorder_compute_for_overlap_safely]}
     assert overlap_config_patches({"reorder_for_compute_comm_overlap_passes": ["sink_waits"]}) == {}
     before = (ic.reorder_for_compute_comm_overlap, list(ic.reorder_for_compute_comm_overlap_passes))
     with fxfuse.install():
