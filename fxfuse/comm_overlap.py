@@ -318,13 +318,16 @@ def rewrite_tp_all_reduces(graph: fx.Graph, blocks: int) -> None:
                  "blocks", blocks, merged, split)
 
 
+def _runs_collectives(op) -> bool:
+    """Whether ``op`` (an op overload, or anything else) is one of fxfuse's ops that issue collectives inside: the
+    vocabulary-parallel lm-head ops."""
+    return getattr(getattr(op, "_schema", None), "name", "").startswith("fxfuse::vocab_parallel_")
+
+
 def _hides_collectives(snode) -> bool:
     """Whether an Inductor scheduler node runs one of fxfuse's ops that issue collectives inside."""
-    for s in snode.get_nodes() if hasattr(snode, "get_nodes") else [snode]:
-        op = getattr(getattr(s, "node", None), "op_overload", None)
-        if getattr(getattr(op, "_schema", None), "name", "").startswith("fxfuse::vocab_parallel_"):
-            return True
-    return False
+    nodes = snode.get_nodes() if hasattr(snode, "get_nodes") else [snode]
+    return any(_runs_collectives(getattr(getattr(s, "node", None), "op_overload", None)) for s in nodes)
 
 
 def reorder_compute_for_overlap_safely(snodes):
@@ -352,10 +355,11 @@ def may_hold_collectives(gm: fx.GraphModule, example_inputs) -> bool:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
         return False
-    vals = list(example_inputs) + [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes]
-    if any(isinstance(v, DTensor) for v in vals):
+    if any(isinstance(v, DTensor) for v in example_inputs):
         return True
     for n in gm.graph.nodes:
+        if isinstance(n.meta.get("example_value", n.meta.get("val")), DTensor):
+            return True
         if n.op == "call_function" and (getattr(n.target, "namespace", None) in ("_c10d_functional", "c10d_functional")
                                         or getattr(n.target, "__module__", "").startswith("torch.distributed")):
             return True
@@ -370,12 +374,8 @@ def runs_collectives_inside(gm: fx.GraphModule) -> bool:
     Inductor's default order."""
     from .graph_utils import graph_modules
 
-    for _, m in graph_modules(gm):
-        for n in m.graph.nodes:
-            name = getattr(getattr(n.target, "_schema", None), "name", "") if n.op == "call_function" else ""
-            if name.startswith("fxfuse::vocab_parallel_"):
-                return True
-    return False
+    return any(n.op == "call_function" and _runs_collectives(n.target)
+               for _, m in graph_modules(gm) for n in m.graph.nodes)
 
 
 def overlap_config_patches(user_patches) -> dict:
