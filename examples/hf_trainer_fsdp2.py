@@ -75,6 +75,9 @@ def main():
     ap.add_argument("--passes-off", default="",
                     help="fxfuse passes turned off, comma-separated (e.g. linear_cross_entropy); 'all' runs "
                          "fxfuse's compile path with no pass: regional Inductor, for comparison")
+    ap.add_argument("--optim", default="adamw_torch",
+                    help="TrainingArguments(optim=...): e.g. adamw_torch_fused, one fused kernel over the parameters "
+                         "instead of foreach ops, which over tensor-parallel DTensors issue tensor by tensor")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
@@ -155,7 +158,7 @@ def main():
 
         parallel["parallelism_config"] = ParallelismConfig(dp_shard_size=world // a.cp, cp_size=a.cp)
     args = TrainingArguments(
-        **parallel, output_dir=a.out, per_device_train_batch_size=a.rows, max_steps=a.steps,
+        **parallel, output_dir=a.out, per_device_train_batch_size=a.rows, max_steps=a.steps, optim=a.optim,
         gradient_checkpointing=a.gradient_checkpointing, learning_rate=1e-3, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         torch_compile=trainer_compiles,  # accelerate's inductor backend, with fxfuse's passes installed
@@ -209,7 +212,7 @@ def main():
             "step_ms": round(sorted(steps)[len(steps) // 2] * 1e3, 1) if steps else None,
             # a tensor-parallel group shares its rows: tokens per GPU are the group's over its size
             "tokens_per_s_per_gpu": round(a.rows * seq / a.cp / a.tp / sorted(steps)[len(steps) // 2]) if steps else None,
-            "seq": seq, "cp": a.cp, "tp": a.tp, "lce_chunk_mib": a.lce_chunk_mib or None,
+            "seq": seq, "cp": a.cp, "tp": a.tp, "optim": a.optim, "lce_chunk_mib": a.lce_chunk_mib or None,
             "passes_off": a.passes_off or None, "rows": a.rows, "padded": a.pad, "real_tokens_per_row": round(real_tokens),
             "gradient_checkpointing": a.gradient_checkpointing,
             "fsdp_activation_checkpointing": a.fsdp_activation_checkpointing,
