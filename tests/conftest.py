@@ -4,9 +4,20 @@ from __future__ import annotations
 import contextlib
 import os
 
-# Inductor's on-disk caches would skip the passes on a hit (and can serve code compiled against an older op
-# schema); tests must see the passes run. Set before torch is imported, and on the config object too.
-os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+# The caches that hold whole compiled graphs would skip the passes on a hit (and can serve code compiled against an
+# older op schema): Inductor's FX graph cache, AOTAutograd's cache, and Dynamo's profile of earlier runs' dynamic
+# sizes (which would change what a test compiles). Tests must see the passes run, so these are off: on the config
+# objects here (a test may still patch them), and in the environment for the processes the tests start.
+# What stays on is the kernel cache: a generated C++ kernel compiled once is reused by its source's hash, which the
+# same tiny models produce test after test (compiling them again was most of the suite's time on the CPU machines).
+# It lives in one fresh directory per test run, which the xdist workers and the processes they start inherit.
+if "FXFUSE_TEST_KERNEL_CACHE" not in os.environ:
+    import tempfile
+
+    # the run's first process that reads this (pytest itself, or xdist's controller before it starts its workers)
+    os.environ["FXFUSE_TEST_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="fxfuse-test-kernels-")
+    _KERNEL_CACHE_MADE_HERE = True
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["FXFUSE_TEST_KERNEL_CACHE"]
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -15,9 +26,19 @@ if not torch.cuda.is_available():
     # CPU machines test the Triton kernels themselves through the interpreter (set before triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import torch._dynamo.config  # noqa: E402
+import torch._functorch.config  # noqa: E402
 import torch._inductor.config  # noqa: E402
 
-torch._inductor.config.force_disable_caches = True
+torch._inductor.config.fx_graph_cache = False
+torch._inductor.config.fx_graph_remote_cache = False
+torch._functorch.config.enable_autograd_cache = False
+torch._dynamo.config.automatic_dynamic_local_pgo = False
+# Set after torch's import, so that they bind the processes the tests start, not this one's settings above.
+for _k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+           "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO",
+           "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO"):
+    os.environ.setdefault(_k, "0")
 
 # Threads per test process: the cores shared among pytest-xdist's workers (README's test command runs two).
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
@@ -158,3 +179,10 @@ def inductor_config_patches(monkeypatch):
 
     monkeypatch.setattr(cfx, "compile_fx", spy)
     return seen
+
+
+def pytest_unconfigure(config):
+    if globals().get("_KERNEL_CACHE_MADE_HERE"):  # the process that made it (xdist's workers are gone by now)
+        import shutil
+
+        shutil.rmtree(os.environ["FXFUSE_TEST_KERNEL_CACHE"], ignore_errors=True)

@@ -31,10 +31,12 @@ class _Mlp(nn.Module):
 @pytest.fixture(autouse=True)
 def _caches_on_and_no_jobs_left(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "0")  # the child reads it at import
-    # conftest's TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 was read at import and outranks a setting: undo it here
-    monkeypatch.setattr(torch.compiler.config._config["force_disable_caches"], "env_value_force", False)
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", False)
+    # the FX graph and AOTAutograd caches on, which conftest turns off: in the child (it reads the environment at
+    # import) and here
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
     background_inductor._stop_child()  # a process another test started has that test's environment
     background_inductor._jobs.clear()
     yield

@@ -63,7 +63,7 @@ def _eager_losses(lora):
 
 def _worker(rank, world, port, case, result_path):
     sys.path.insert(0, HERE)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     import torch.distributed as dist
     # What the ranks use is imported before the group exists: torch.distributed.nn.functional (which FSDP2 imports)
@@ -699,7 +699,7 @@ def test_hf_trainer_recipe_two_ranks_runs_fxfuse_and_matches_the_uncompiled_run(
 
     root = os.path.dirname(HERE)
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1"}  # conftest's cache settings inherited
 
     def run(*flags):
         p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
