@@ -31,13 +31,12 @@ import torch._functorch.config  # noqa: E402
 import torch._inductor.config  # noqa: E402
 
 torch._inductor.config.fx_graph_cache = False
-torch._inductor.config.fx_graph_remote_cache = False
 torch._functorch.config.enable_autograd_cache = False
 torch._dynamo.config.automatic_dynamic_local_pgo = False
-# Set after torch's import, so that they bind the processes the tests start, not this one's settings above.
-for _k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-           "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO",
-           "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO"):
+# Set after torch's import, so that they bind the processes the tests start, not this one's settings above. (The
+# remote caches are off by default; setting them too would change the configs that the cache keys hash, and a
+# background compile's child would no longer share its keys with this process.)
+for _k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"):
     os.environ.setdefault(_k, "0")
 
 # Threads per test process: the cores shared among pytest-xdist's workers (README's test command runs two).
