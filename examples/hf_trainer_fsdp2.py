@@ -76,8 +76,9 @@ def main():
                     help="fxfuse passes turned off, comma-separated (e.g. linear_cross_entropy); 'all' runs "
                          "fxfuse's compile path with no pass: regional Inductor, for comparison")
     ap.add_argument("--optim", default="adamw_torch",
-                    help="TrainingArguments(optim=...): e.g. adamw_torch_fused, one fused kernel over the parameters "
-                         "instead of foreach ops, which over tensor-parallel DTensors issue tensor by tensor")
+                    help="TrainingArguments(optim=...), e.g. adamw_torch_fused. Under --tp, transformers < 5.24 "
+                         "steps AdamW parameter by parameter whatever this says (it turns foreach and fused off "
+                         "when DTensors and plain tensors mix); 5.24 groups the parameters by mesh instead")
     ap.add_argument("--out", default="/tmp/fxfuse-hf-fsdp2")
     ap.add_argument("--profile", action="store_true",
                     help="profile the last two steps (GPU): where their time goes, in the RESULT line")
