@@ -18,6 +18,13 @@ if "FXFUSE_TEST_KERNEL_CACHE" not in os.environ:
     os.environ["FXFUSE_TEST_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="fxfuse-test-kernels-")
     _KERNEL_CACHE_MADE_HERE = True
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["FXFUSE_TEST_KERNEL_CACHE"]
+# The graph-cache switches this file puts in the environment (below) for the processes the tests start. An xdist
+# worker inherits them from the controller: drop them before torch's import, which would read them as forced
+# settings that no test could patch (the background-compile tests turn the caches on).
+_GRAPH_CACHE_ENV = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+                    "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO")
+for _k in filter(None, os.environ.get("FXFUSE_TEST_GRAPH_CACHE_ENV", "").split(",")):
+    os.environ.pop(_k, None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -36,8 +43,10 @@ torch._dynamo.config.automatic_dynamic_local_pgo = False
 # Set after torch's import, so that they bind the processes the tests start, not this one's settings above. (The
 # remote caches are off by default; setting them too would change the configs that the cache keys hash, and a
 # background compile's child would no longer share its keys with this process.)
-for _k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"):
-    os.environ.setdefault(_k, "0")
+_set_here = [k for k in _GRAPH_CACHE_ENV if k not in os.environ]
+for _k in _set_here:
+    os.environ[_k] = "0"
+os.environ["FXFUSE_TEST_GRAPH_CACHE_ENV"] = ",".join(_set_here) or os.environ.get("FXFUSE_TEST_GRAPH_CACHE_ENV", "")
 
 # Threads per test process: the cores shared among pytest-xdist's workers (README's test command runs two).
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
