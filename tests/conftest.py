@@ -6,11 +6,13 @@ import os
 
 # The caches that hold whole compiled graphs would skip the passes on a hit (and can serve code compiled against an
 # older op schema): Inductor's FX graph cache, AOTAutograd's cache, and Dynamo's profile of earlier runs' dynamic
-# sizes (which would change what a test compiles). Tests must see the passes run, so these are off: on the config
-# objects here (a test may still patch them), and in the environment for the processes the tests start.
+# sizes (which would change what a test compiles). Tests must see the passes run, so these are off, set before torch
+# is imported (xdist's workers and the processes tests start inherit them; tests that need a cache undo them).
 # What stays on is the kernel cache: a generated C++ kernel compiled once is reused by its source's hash, which the
 # same tiny models produce test after test (compiling them again was most of the suite's time on the CPU machines).
 # It lives in one fresh directory per test run, which the xdist workers and the processes they start inherit.
+for _k in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO"):
+    os.environ.setdefault(_k, "0")
 if "FXFUSE_TEST_KERNEL_CACHE" not in os.environ:
     import tempfile
 
@@ -18,13 +20,6 @@ if "FXFUSE_TEST_KERNEL_CACHE" not in os.environ:
     os.environ["FXFUSE_TEST_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="fxfuse-test-kernels-")
     _KERNEL_CACHE_MADE_HERE = True
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["FXFUSE_TEST_KERNEL_CACHE"]
-# The graph-cache switches this file puts in the environment (below) for the processes the tests start. An xdist
-# worker inherits them from the controller: drop them before torch's import, which would read them as forced
-# settings that no test could patch (the background-compile tests turn the caches on).
-_GRAPH_CACHE_ENV = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
-                    "TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO")
-for _k in filter(None, os.environ.get("FXFUSE_TEST_GRAPH_CACHE_ENV", "").split(",")):
-    os.environ.pop(_k, None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -32,21 +27,6 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     # CPU machines test the Triton kernels themselves through the interpreter (set before triton is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch._dynamo.config  # noqa: E402
-import torch._functorch.config  # noqa: E402
-import torch._inductor.config  # noqa: E402
-
-torch._inductor.config.fx_graph_cache = False
-torch._functorch.config.enable_autograd_cache = False
-torch._dynamo.config.automatic_dynamic_local_pgo = False
-# Set after torch's import, so that they bind the processes the tests start, not this one's settings above. (The
-# remote caches are off by default; setting them too would change the configs that the cache keys hash, and a
-# background compile's child would no longer share its keys with this process.)
-_set_here = [k for k in _GRAPH_CACHE_ENV if k not in os.environ]
-for _k in _set_here:
-    os.environ[_k] = "0"
-os.environ["FXFUSE_TEST_GRAPH_CACHE_ENV"] = ",".join(_set_here) or os.environ.get("FXFUSE_TEST_GRAPH_CACHE_ENV", "")
 
 # Threads per test process: the cores shared among pytest-xdist's workers (README's test command runs two).
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))

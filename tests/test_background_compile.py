@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
@@ -31,12 +33,12 @@ class _Mlp(nn.Module):
 @pytest.fixture(autouse=True)
 def _caches_on_and_no_jobs_left(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    # the FX graph and AOTAutograd caches on, which conftest turns off: in the child (it reads the environment at
-    # import) and here
+    # the FX graph and AOTAutograd caches on: in the child (it reads the environment at import) and here, where
+    # conftest's TORCHINDUCTOR_*_CACHE=0 were read at import and outrank a setting
     monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
+    monkeypatch.setattr(torch._inductor.config._config["fx_graph_cache"], "env_value_force", True)
+    monkeypatch.setattr(torch._functorch.config._config["enable_autograd_cache"], "env_value_force", True)
     background_inductor._stop_child()  # a process another test started has that test's environment
     background_inductor._jobs.clear()
     yield
@@ -380,7 +382,7 @@ def test_compile_regions_sends_fused_layers_and_keeps_the_loss():
 
 
 def test_caches_off_compile_at_once(monkeypatch):
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._inductor.config._config["fx_graph_cache"], "env_value_force", False)
     ref, mod = _pair()
     compiled = fxfuse.compile(mod, background_compile=True)
     x = torch.randn(3, 16)
