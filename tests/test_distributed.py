@@ -2,8 +2,9 @@
 ``find_unused_parameters=True``), FSDP2 with the whole model compiled, FSDP2 with
 ``compile_regions``, FSDP2 over a PEFT LoRA model. In each, fxfuse's fused ops run (seen by the profiler) and the
 loss averaged over the ranks equals single-process eager on the same global batch, before and after an optimizer
-step (so the gradients agree too). ``compile_regions`` is also checked in one process. Every rank must finish, its
-teardown included, within a time limit and exit 0: a hang fails the test."""
+step (so the gradients agree too). ``compile_regions`` is also checked in one process. The cases with several ranks
+run in batches, one spawn each (:data:`BATCHES`); every rank of a batch must finish, its teardown included, within a
+time limit and exit 0: a hang fails the test."""
 from __future__ import annotations
 
 import functools
@@ -61,7 +62,11 @@ def _eager_losses(lora):
     return out
 
 
-def _worker(rank, world, port, case, result_path):
+def _worker(rank, world, port, cases, result_dir):
+    """One rank of a batch: ``cases`` in turn in one process group (see :data:`BATCHES`). Rank 0 writes each
+    case's result to ``result_dir/<case>.json`` as it finishes; a rank whose case raises writes the traceback to
+    ``<case>.rank<r>.error`` and exits 1 at once (the other ranks' next collective then fails, or they are killed
+    at the deadline): the cases after it do not run."""
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
@@ -75,34 +80,58 @@ def _worker(rank, world, port, case, result_path):
 
     import fxfuse.regions  # noqa: F401
 
-    if case == "fsdp2_lora":
+    if "fsdp2_lora" in cases:
         import peft  # noqa: F401
 
+    tp = cases[0].startswith("tp_")
+    assert all(c.startswith("tp_") == tp for c in cases), cases  # a batch is all tensor-parallel or none
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = (_train_tp if case.startswith("tp_") else _train)(rank, world, case)
-    except BaseException:
-        traceback.print_exc()  # shown by pytest even if this rank then hangs in its teardown and is killed
-        dist.destroy_process_group()
-        raise  # a non-zero exit: the test fails with this traceback
-    if case.startswith("tp_"):
+    for case in cases:
+        try:
+            result = (_train_tp if tp else _train)(rank, world, case)
+        except BaseException:
+            traceback.print_exc()  # shown by pytest even if this rank's exit then hangs and is killed
+            with open(os.path.join(result_dir, f"{case}.rank{rank}.error"), "w") as f:
+                f.write(traceback.format_exc())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # no teardown: the other ranks may be inside a collective this rank will never join
+        if rank == 0:
+            tmp = os.path.join(result_dir, f"{case}.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, os.path.join(result_dir, f"{case}.json"))
+        _between_cases()
+    if tp:
         # DTensor's compiled graphs keep the device mesh, and with it the gloo group, alive from where the collector
         # does not see (bound methods of the mesh, held from C++): the group cannot be torn down in order. After a
         # barrier (every collective done) the rank leaves without the interpreter's finalization, where a live gloo
         # group's destructor can hang (see _teardown).
         dist.barrier()
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(result, f)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
     _teardown()
     # every gloo group is destroyed, its worker threads joined: nothing is left for the interpreter's finalization
     assert _gloo_worker_threads() == 0, (_gloo_worker_threads(), _mesh_holders())
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(result, f)
+
+
+def _between_cases():
+    """What one case leaves that the next must not see: Dynamo's compiled code and code state (as in a fresh
+    process: the same step function compiles afresh, static then symbolic), fxfuse's reports, the lazy-logits
+    counter. After a barrier, so no rank resets while another still runs the case's collectives."""
+    import gc
+
+    import torch.distributed as dist
+
+    import fxfuse
+    from fxfuse.lazy import materialized_at
+
+    dist.barrier()
+    torch._dynamo.reset()
+    fxfuse.clear_reports()
+    materialized_at.clear()
+    gc.collect()
 
 
 def _train(rank, world, case):
@@ -357,6 +386,14 @@ def _train_tp(rank, world, case):
             # the weight's dtype (the profiler records no dtype for the flattened hidden states)
             out[mode]["autocast_dtypes"] = [e.input_dtypes[1] for e in ap.events()
                                             if e.name == "fxfuse::vocab_parallel_cross_entropy_fwd"]
+    if hf:  # both modes have loaded the checkpoint: rank 0 removes it (the ranks leave by os._exit, no finalizers)
+        import shutil
+
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(saved[0], ignore_errors=True)
     sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
              if r.pass_name == ("linear_log_probs" if case.startswith("tp_log_probs") else "linear_cross_entropy")]
     loss_sites = [(r.status, r.reason) for rep in fxfuse.reports() for r in rep.records
@@ -507,26 +544,102 @@ def _kill_tree(pid):
             pass
 
 
+#: The two-rank cases run in batches, one spawn per batch: each rank starts, imports torch, transformers and fxfuse
+#: and compiles its first graph once for the batch (a spawn per case cost ~10 s of that on CI's 2 cores, 19 times).
+#: The cases of a batch run in turn in one process group, Dynamo and fxfuse's reports reset between them
+#: (:func:`_between_cases`); each case is still its own test, reading its own result. name -> (world, cases).
+BATCHES = {
+    "data_parallel": (2, ("ddp", "ddp_regions_unused", "fsdp2", "fsdp2_regions", "fsdp2_regions_tail",
+                          "fsdp2_regions_head", "fsdp2_regions_output_dtype", "fsdp2_lora")),
+    "tensor_parallel": (2, ("tp_linear_softcap", "tp_gathered", "tp_local_slice", "tp_hf_plan",
+                            "tp_hf_plan_few_tokens", "tp_loss_parallel", "tp_sequence_parallel", "tp_log_probs",
+                            "tp_log_probs_entropy")),
+    "fsdp2_x_tp": (4, ("tp_fsdp2_regions", "tp_fsdp2_hf_config")),
+}
+#: seconds a case may add to a batch's deadline (each takes 10-40 s on 2 loaded CPU cores)
+CASE_TIMEOUT_S = 120
+_batch_runs = {}  # name -> (result folder, why the batch's ranks did not all exit 0 in time, or None)
+
+
+def _hf_distributed_config_missing():
+    try:
+        import transformers.distributed  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def _batch_cases(name):
+    world, cases = BATCHES[name]
+    if _hf_distributed_config_missing():
+        cases = tuple(c for c in cases if c != "tp_fsdp2_hf_config")
+    return world, cases
+
+
+def _run_batch(name, tmp_path_factory):
+    """Runs batch ``name`` once per pytest process (xdist sends each batch's tests to one worker: ``xdist_group``)
+    and returns its result folder and, if its ranks did not all exit 0 within the deadline, why."""
+    if name not in _batch_runs:
+        world, cases = _batch_cases(name)
+        folder = tmp_path_factory.mktemp(f"ranks-{name}")
+        why = None
+        try:
+            _spawn(_worker, (world, _free_port(), cases, str(folder)), nprocs=world,
+                   timeout=RANK_TIMEOUT_S + CASE_TIMEOUT_S * len(cases))
+        except BaseException as e:  # pytest.fail (a hang) included: each case's test reports what it concerns
+            why = f"{type(e).__name__}: {e}"
+        _batch_runs[name] = (folder, why)
+    return _batch_runs[name]
+
+
+def _in_batch(case, *values):
+    """A parametrization of ``case`` that xdist sends to the worker that runs (or will run) the case's batch."""
+    name = next(n for n, (_, cases) in BATCHES.items() if case in cases)
+    return pytest.param(case, *values, marks=pytest.mark.xdist_group(name))
+
+
+def _case_result(name, case, tmp_path_factory):
+    """Case ``case``'s result from its batch; the test fails with the rank's traceback if the case raised, or with
+    the batch's failure if the batch stopped before the case."""
+    folder, why = _run_batch(name, tmp_path_factory)
+    path = folder / f"{case}.json"
+    if not path.exists():
+        errors = "\n".join(p.read_text() for p in sorted(folder.glob(f"{case}.rank*.error")))
+        raised = sorted({p.name.split(".rank")[0] for p in folder.glob("*.error")})
+        pytest.fail(f"case {case} of batch {name} gave no result: "
+                    + (errors or f"the batch stopped before it ({why}; cases that raised: {raised or 'none'})"),
+                    pytrace=False)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in BATCHES])
+def test_each_batch_of_ranks_runs_every_case_and_exits_cleanly(name, tmp_path_factory):
+    """Every rank of the batch finished, its teardown included, within the deadline and exited 0 (a hang fails the
+    test, never a pass); every case gave its result."""
+    folder, why = _run_batch(name, tmp_path_factory)
+    assert why is None, why
+    _, cases = _batch_cases(name)
+    assert sorted(p.name for p in folder.glob("*.json")) == sorted(f"{c}.json" for c in cases)
+
+
 @pytest.mark.parametrize("case,ops", [
-    ("ddp", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("ddp", {"fxfuse::linear_cross_entropy_fwd"}),
     # DDP's output sink (find_unused_parameters=True) clones the lazy logits: still never computed
-    ("ddp_regions_unused", {"fxfuse::linear_cross_entropy_fwd"}),
-    ("fsdp2", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("ddp_regions_unused", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("fsdp2", {"fxfuse::linear_cross_entropy_fwd"}),
     # regions: the base model runs eagerly and builds no mask for these unpadded rows, so the blocks run SDPA's
     # own causal kernels (no fxfuse attention op); the head's loss is fused
-    ("fsdp2_regions", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("fsdp2_regions", {"fxfuse::linear_cross_entropy_fwd"}),
     # the lm-head in an FSDP2 unit of its own (accelerate's [norm, lm_head]; a lone lm-head): its hooks run eagerly
     # around the compiled loss, which stays fused
-    ("fsdp2_regions_tail", {"fxfuse::linear_cross_entropy_fwd"}),
-    ("fsdp2_regions_head", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("fsdp2_regions_tail", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("fsdp2_regions_head", {"fxfuse::linear_cross_entropy_fwd"}),
     # the root's outputs cast to the policy's output_dtype: the lazy logits too, still never computed
-    ("fsdp2_regions_output_dtype", {"fxfuse::linear_cross_entropy_fwd"}),
-    ("fsdp2_lora", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::lora_linear"}),
+    _in_batch("fsdp2_regions_output_dtype", {"fxfuse::linear_cross_entropy_fwd"}),
+    _in_batch("fsdp2_lora", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::lora_linear"}),
 ])
-def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
-    result = tmp_path / "result.json"
-    _spawn(_worker, (2, _free_port(), case, str(result)), nprocs=2, timeout=RANK_TIMEOUT_S)
-    got = json.loads(result.read_text())
+def test_two_ranks_match_single_process_eager(case, ops, tmp_path_factory):
+    got = _case_result("data_parallel", case, tmp_path_factory)
     ref = _eager_losses(lora=case == "fsdp2_lora")
     assert got["losses"] == pytest.approx(ref, rel=2e-5), (got, ref)
     missing = {o for o in ops if not any(name.startswith(o) for name in got["ops"])}
@@ -535,28 +648,25 @@ def test_two_ranks_match_single_process_eager(case, ops, tmp_path):
 
 
 @pytest.mark.parametrize("case,status,why", [
-    ("tp_fsdp2_regions", "fused", ""),  # FSDP2 x TP on four ranks, compile_regions  # fxfuse::vocab_parallel_cross_entropy, the loss a DTensor again
-    ("tp_linear_softcap", "fused", ""),
-    ("tp_gathered", "fused", ""),       # the logits' all-gather gone
-    ("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
-    ("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
-    ("tp_hf_plan_few_tokens", "fused", ""),  # the same with fewer tokens than the hidden width: logits kept real
-    ("tp_fsdp2_hf_config", "fused", ""),  # FSDP2 x TP loaded by transformers' DistributedConfig, compile_regions
-    ("tp_loss_parallel", "fused", ""),
-    ("tp_sequence_parallel", "fused", ""),  # the head's input sequence-sharded (SequenceParallel), loss_parallel()
-    ("tp_log_probs", "fused", ""),      # fxfuse::vocab_parallel_log_probs
-    ("tp_log_probs_entropy", "fused", ""),  # the same with the entropy
+    _in_batch("tp_fsdp2_regions", "fused", ""),  # FSDP2 x TP on four ranks, compile_regions  # fxfuse::vocab_parallel_cross_entropy, the loss a DTensor again
+    _in_batch("tp_linear_softcap", "fused", ""),
+    _in_batch("tp_gathered", "fused", ""),       # the logits' all-gather gone
+    _in_batch("tp_local_slice", "skipped", "this rank's slice"),  # a per-rank loss: eager's semantics kept
+    _in_batch("tp_hf_plan", "fused", ""),        # transformers' tp_plan="auto" and its own loss, the model compiled whole
+    _in_batch("tp_hf_plan_few_tokens", "fused", ""),  # the same with fewer tokens than the hidden width: logits kept real
+    _in_batch("tp_fsdp2_hf_config", "fused", ""),  # FSDP2 x TP loaded by transformers' DistributedConfig, compile_regions
+    _in_batch("tp_loss_parallel", "fused", ""),
+    _in_batch("tp_sequence_parallel", "fused", ""),  # the head's input sequence-sharded (SequenceParallel), loss_parallel()
+    _in_batch("tp_log_probs", "fused", ""),      # fxfuse::vocab_parallel_log_probs
+    _in_batch("tp_log_probs_entropy", "fused", ""),  # the same with the entropy
 ])
-def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, status, why, tmp_path):
+def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, status, why, tmp_path_factory):
     """Under tensor parallelism the lm-head loss runs as the vocabulary-parallel op on each rank's weight shard and
     gives eager DTensor's loss, lm-head gradient and hidden-state gradient (through the embeddings); a loss that
     reads only a rank's slice of the vocabulary is left alone, with the reason in the report."""
-    if case == "tp_fsdp2_hf_config":
-        pytest.importorskip("transformers.distributed", reason="transformers < 5.24 has no DistributedConfig")
-    result = tmp_path / "result.json"
-    world = 4 if case in ("tp_fsdp2_regions", "tp_fsdp2_hf_config") else 2
-    _spawn(_worker, (world, _free_port(), case, str(result)), nprocs=world, timeout=RANK_TIMEOUT_S)
-    got = json.loads(result.read_text())
+    if case == "tp_fsdp2_hf_config" and _hf_distributed_config_missing():
+        pytest.skip("transformers < 5.24 has no DistributedConfig")
+    got = _case_result(next(n for n, (_, cases) in BATCHES.items() if case in cases), case, tmp_path_factory)
     fx, ea = got["fxfuse"], got["eager"]
     assert fx["loss"] == pytest.approx(ea["loss"], rel=1e-5)
     assert fx["lengths"] == pytest.approx(ea["lengths"], rel=1e-5)
