@@ -39,6 +39,9 @@ def _caches_on_and_no_jobs_left(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     monkeypatch.setattr(torch._inductor.config._config["fx_graph_cache"], "env_value_force", True)
     monkeypatch.setattr(torch._functorch.config._config["enable_autograd_cache"], "env_value_force", True)
+    # the compile process at the tests' own priority: at nice 10 beside the other xdist worker's two torch threads
+    # on CI's 2 cores it got a tenth of a core, and the tests waited minutes for it (its priority is tested below)
+    monkeypatch.setenv("FXFUSE_BACKGROUND_NICE", "0")
     background_inductor._stop_child()  # a process another test started has that test's environment
     background_inductor._jobs.clear()
     yield
@@ -131,8 +134,9 @@ def test_several_ranks_switch_once_every_ranks_child_is_done(monkeypatch):
     assert late.state == "switched" and "without the other ranks" in late.note, late.note
 
 
-def test_the_process_started_early_serves_the_first_graph():
+def test_the_process_started_early_serves_the_first_graph(monkeypatch):
     # Started at the top of a script (before the model exists): that process, and no second one, takes the graph
+    monkeypatch.delenv("FXFUSE_BACKGROUND_NICE")  # the default priority, checked below
     fxfuse.start_background_compile_process()
     fxfuse.start_background_compile_process()
     pid = background_inductor._child.proc.pid
