@@ -39,8 +39,8 @@ def _caches_on_and_no_jobs_left(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     monkeypatch.setattr(torch._inductor.config._config["fx_graph_cache"], "env_value_force", True)
     monkeypatch.setattr(torch._functorch.config._config["enable_autograd_cache"], "env_value_force", True)
-    # the compile process at the tests' own priority: at nice 10 beside the other xdist worker's two torch threads
-    # on CI's 2 cores it got a tenth of a core, and the tests waited minutes for it (its priority is tested below)
+    # the compile process at the tests' own priority: at nice 10 it got a small share of CI's 2 cores beside the other
+    # xdist worker, and the tests waited for it (one took 134 s, 24 s at nice 0; its priority is tested below)
     monkeypatch.setenv("FXFUSE_BACKGROUND_NICE", "0")
     background_inductor._stop_child()  # a process another test started has that test's environment
     background_inductor._jobs.clear()
