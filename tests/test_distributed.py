@@ -592,15 +592,19 @@ def _run_batch(name, tmp_path_factory):
     return _batch_runs[name]
 
 
+def _batch_of(case):
+    return next(n for n, (_, cases) in BATCHES.items() if case in cases)
+
+
 def _in_batch(case, *values):
     """A parametrization of ``case`` that xdist sends to the worker that runs (or will run) the case's batch."""
-    name = next(n for n, (_, cases) in BATCHES.items() if case in cases)
-    return pytest.param(case, *values, marks=pytest.mark.xdist_group(name))
+    return pytest.param(case, *values, marks=pytest.mark.xdist_group(_batch_of(case)))
 
 
-def _case_result(name, case, tmp_path_factory):
+def _case_result(case, tmp_path_factory):
     """Case ``case``'s result from its batch; the test fails with the rank's traceback if the case raised, or with
     the batch's failure if the batch stopped before the case."""
+    name = _batch_of(case)
     folder, why = _run_batch(name, tmp_path_factory)
     path = folder / f"{case}.json"
     if not path.exists():
@@ -639,7 +643,7 @@ def test_each_batch_of_ranks_runs_every_case_and_exits_cleanly(name, tmp_path_fa
     _in_batch("fsdp2_lora", {"fxfuse::linear_cross_entropy_fwd", "fxfuse::lora_linear"}),
 ])
 def test_two_ranks_match_single_process_eager(case, ops, tmp_path_factory):
-    got = _case_result("data_parallel", case, tmp_path_factory)
+    got = _case_result(case, tmp_path_factory)
     ref = _eager_losses(lora=case == "fsdp2_lora")
     assert got["losses"] == pytest.approx(ref, rel=2e-5), (got, ref)
     missing = {o for o in ops if not any(name.startswith(o) for name in got["ops"])}
@@ -666,7 +670,7 @@ def test_tensor_parallel_lm_head_loss_is_vocab_parallel_and_equals_eager(case, s
     reads only a rank's slice of the vocabulary is left alone, with the reason in the report."""
     if case == "tp_fsdp2_hf_config" and _hf_distributed_config_missing():
         pytest.skip("transformers < 5.24 has no DistributedConfig")
-    got = _case_result(next(n for n, (_, cases) in BATCHES.items() if case in cases), case, tmp_path_factory)
+    got = _case_result(case, tmp_path_factory)
     fx, ea = got["fxfuse"], got["eager"]
     assert fx["loss"] == pytest.approx(ea["loss"], rel=1e-5)
     assert fx["lengths"] == pytest.approx(ea["lengths"], rel=1e-5)
