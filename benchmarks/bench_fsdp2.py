@@ -503,7 +503,11 @@ def main(impl):
                comm_overlap=(comm_overlap_env != "0") if impl.startswith("fxfuse") else comm_overlap_env == "1",
                # fxfuse's post-grad rewrites counted in this process (comm_overlap: all-reduces merged / split)
                fxfuse_counters=dict(torch._dynamo.utils.counters["fxfuse"]),
-               optimizer=f"AdamW {opt_impl}")
+               optimizer=f"AdamW {opt_impl}",
+               # NCCL's and fxfuse's environment knobs this run had (NCCL_MAX_CTAS, FXFUSE_LOWRANK_GEMM_PERSISTENT...),
+               # so a tagged row says what it changed
+               env={k: v for k, v in sorted(os.environ.items())
+                    if (k.startswith("NCCL_") or k.startswith("FXFUSE_")) and k not in ("NCCL_NVLS_ENABLE",)})
     if sampler is not None:
         row["first_step_sampled"] = sampler.summary()
     if background:  # the steps between the first and the first all-compiled one, and each graph's compile
@@ -520,7 +524,8 @@ def main(impl):
     if os.environ.get("FSDP_PROFILE") and dev.type == "cuda":  # top GPU kernels of 2 steps, to compare impls
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        # record_shapes: trace_summary's beside_nccl compares launches of one kernel at the same shapes
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(2):
                 step()
             sync()

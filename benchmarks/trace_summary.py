@@ -7,8 +7,9 @@ runs (the union of the non-NCCL kernels' intervals, any stream), the GPU idle ti
 NCCL kernel time and the part of it no compute kernel overlaps (communication that the step waits for, if the
 compute stream waits on it), and the kernel time by kind: matmuls, attention, Triton (Inductor's and fxfuse's
 fused kernels), the optimizer's foreach kernels, copies / casts, NCCL and the rest, with the top kernels by time,
-the longest stretches without a compute kernel (where, how long, what NCCL ran there, between which kernels), and
-what the host was doing while the GPU ran nothing (the CPU ops overlapping those gaps, inclusive).
+the longest stretches without a compute kernel (where, how long, what NCCL ran there, between which kernels),
+what the host was doing while the GPU ran nothing (the CPU ops overlapping those gaps, inclusive), and how much
+the compute kernels that ran beside NCCL were slowed (``beside_nccl``: one kernel at one grid, with and without).
 Kernel names decide the kind (cuBLAS / CUTLASS / nvjet are matmuls, flash / fmha / cudnn / fxfuse's attention
 kernels are attention, ``triton_`` are Inductor's fused kernels, ``ncclDevKernel`` / ``ncclKernel`` NCCL).
 """
@@ -19,7 +20,7 @@ import bisect
 import gzip
 import json
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 KINDS = (  # (kind, substrings of a kernel's name, lower case), first match wins; Inductor's generated kernels
     # (named triton_<kind>_fused_<ops>) are "triton" whatever ops their names list
@@ -129,6 +130,76 @@ def host_during_idle(trace: Dict, kernels: List[Dict], iv: List[Tuple[float, flo
                     for n, v in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
+def _overlap(a: float, b: float, cover: List[Tuple[float, float]], starts: List[float]) -> float:
+    """Length of [a, b) inside the union ``cover`` (sorted, disjoint; ``starts`` its interval starts)."""
+    i, got = max(0, bisect.bisect_right(starts, a) - 1), 0.0
+    while i < len(cover) and cover[i][0] < b:
+        got += max(0.0, min(b, cover[i][1]) - max(a, cover[i][0]))
+        i += 1
+    return got
+
+
+def beside_nccl(kernels: List[Dict], iv: List[Tuple[float, float]], nccl: List[Tuple[float, float]],
+                ops: Optional[Dict] = None, top: int = 8) -> Dict:
+    """How much NCCL kernels running beside them slow the compute kernels (NCCL takes SMs and memory bandwidth).
+    Per kind, the kernel time that overlapped NCCL; then, for the launches of one kernel at one grid (the same
+    work), the mean duration of the launches that ran beside NCCL for more than half their time against those that
+    ran with none: ``ratio`` > 1 is the slowdown. ``ops`` maps a kernel's ``External id`` to the CPU op that
+launched it and that op's input shapes (:func:`launching_ops`; needs ``record_shapes=True``) so that launches of a
+persistent kernel, whose grid is the SM count at any shape, are compared only with launches of the same shapes. The ``top`` such groups by total time, and the matmuls' sum:
+    ``matmul_alone_ms`` is what the matmul launches would have taken at their no-NCCL speed."""
+    starts = [a for a, _ in nccl]
+    ops = ops or {}
+    by_kind: Dict[str, float] = defaultdict(float)
+    groups: Dict[Tuple, List[List[float]]] = defaultdict(lambda: [[], []])
+    nth: Dict[object, int] = defaultdict(int)
+    for (a, b), e in sorted(zip(iv, kernels), key=lambda p: p[0]):
+        kind = kind_of(e["name"])
+        if kind == "nccl" or b <= a:
+            continue
+        o = _overlap(a, b, nccl, starts)
+        by_kind[kind] += o
+        # The same work: a persistent kernel's grid is the SM count whatever its shapes, so the key also has the
+        # CPU op that launched it with that op's input shapes (record_shapes) and which of its launches this is
+        args = e.get("args", {})
+        ext = args.get("External id")
+        key = (e["name"], str(args.get("grid")), ops.get(ext), nth[ext] if ext is not None else 0)
+        if ext is not None:
+            nth[ext] += 1
+        if o > 0.5 * (b - a):
+            groups[key][0].append(b - a)
+        elif o == 0:
+            groups[key][1].append(b - a)
+    rows, mm_actual, mm_alone = [], 0.0, 0.0
+    for (name, grid, op, _), (w, wo) in groups.items():
+        if not w or not wo:
+            continue
+        mean_w, mean_wo = sum(w) / len(w), sum(wo) / len(wo)
+        rows.append({"name": _short(name), "grid": grid, "op": op[0] if op else None, "kind": kind_of(name), "beside": len(w), "alone": len(wo),
+                     "mean_beside_us": round(mean_w, 1), "mean_alone_us": round(mean_wo, 1),
+                     "ratio": round(mean_w / mean_wo, 3), "total_ms": (sum(w) + sum(wo)) / 1e3})
+        if kind_of(name) == "matmul":
+            mm_actual += sum(w) + sum(wo)
+            mm_alone += mean_wo * (len(w) + len(wo))
+    rows.sort(key=lambda r: -r["total_ms"])
+    for r in rows:
+        r["total_ms"] = round(r["total_ms"], 2)
+    return {"overlapped_ms_by_kind": {k: round(v / 1e3, 2) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "matmul_compared_ms": round(mm_actual / 1e3, 2), "matmul_alone_ms": round(mm_alone / 1e3, 2),
+            "groups": rows[:top]}
+
+
+def launching_ops(trace: Dict) -> Dict:
+    """``External id`` -> (CPU op name, its input shapes) for every CPU op of the trace that has one."""
+    out = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ext = e.get("args", {}).get("External id")
+            if ext is not None:
+                out[ext] = (e.get("name"), str(e.get("args", {}).get("Input Dims")))
+    return out
+
+
 def _short(name: str) -> str:
     """A kernel's name without its template arguments and argument list, at most 60 characters."""
     name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
@@ -166,9 +237,13 @@ def summarize(trace: Dict, steps: int = 1, top: int = 15, gaps: int = 8) -> Dict
         "idle_ms": ms(span - _length(busy)),
         "nccl_ms": ms(_length(nccl)),
         "nccl_exposed_ms": ms(_uncovered(nccl, compute)),
+        # the CTAs (= SMs) NCCL's kernels hold while they run (NCCL_MAX_CTAS caps them)
+        "nccl_grids": sorted({str(e.get("args", {}).get("grid")) for e in kernels if kind_of(e["name"]) == "nccl"}),
         "by_kind_ms": {k: ms(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": ms(v[0]), "calls": int(v[1] / steps), "kind": kind_of(n)}
                         for n, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+        # (whole trace, not per step: a ratio of means)
+        "beside_nccl": beside_nccl(kernels, iv, nccl, launching_ops(trace)),
     }
 
 

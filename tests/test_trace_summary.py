@@ -63,3 +63,43 @@ def test_host_during_idle_credits_the_cpu_ops_over_the_gpu_gaps():
     h = summarize(trace, steps=1)["host_during_idle"]
     assert h["gaps"] == 1 and h["gap_ms"] == 0.3
     assert [(o["name"], o["ms"]) for o in h["ops"]] == [("fxfuse::lora_linear_bwd", 0.25), ("aten::mm", 0.1)]
+
+
+def test_beside_nccl_compares_one_kernel_at_one_grid_with_and_without_nccl():
+    g = lambda name, ts, dur, grid: {**_k(name, ts, dur), "args": {"grid": grid}}  # noqa: E731
+    trace = {"traceEvents": [
+        _k("ncclDevKernel_AllGather_RING_LL", 0, 1000),
+        g("nvjet_sm90_tst_gemm", 0, 600, [132, 1, 1]),      # beside NCCL all its time: 600 us
+        g("nvjet_sm90_tst_gemm", 900, 500, [132, 1, 1]),    # 100 of 500 beside NCCL: neither group
+        g("nvjet_sm90_tst_gemm", 2000, 400, [132, 1, 1]),   # alone: 400 us
+        g("nvjet_sm90_tst_gemm", 3000, 400, [132, 1, 1]),   # alone: 400 us
+        g("nvjet_sm90_tst_gemm", 4000, 100, [8, 1, 1]),     # another grid, never beside NCCL: not compared
+        g("triton_poi_fused_mul_0", 100, 200, [64, 1, 1]),  # beside only: not compared
+    ]}
+    b = summarize(trace, steps=1)["beside_nccl"]
+    assert b["overlapped_ms_by_kind"] == {"matmul": 0.7, "triton": 0.2}
+    [row] = b["groups"]
+    assert (row["beside"], row["alone"], row["mean_beside_us"], row["mean_alone_us"], row["ratio"]) == (
+        1, 2, 600.0, 400.0, 1.5)
+    # the compared matmul launches took 1.4 ms; at their no-NCCL speed, 3 x 400 us
+    assert b["matmul_compared_ms"] == 1.4 and b["matmul_alone_ms"] == 1.2
+
+
+def test_beside_nccl_keeps_a_persistent_kernels_shapes_apart_by_their_launching_op():
+    # a persistent kernel: grid 132 at any shape. Its long launches (K = 14336) ran beside NCCL, its short ones
+    # (K = 4096) alone: by name and grid alone they would read as a 3x slowdown
+    def launch(ts, dur, ext):
+        return {**_k("_lowrank_gemm_kernel", ts, dur), "args": {"grid": [132, 1, 1], "External id": ext}}
+
+    def op(ext, dims):
+        return {"ph": "X", "cat": "cpu_op", "name": "fxfuse::lora_linear_fwd", "ts": 0, "dur": 1, "pid": 99,
+                "args": {"External id": ext, "Input Dims": dims}}
+    trace = {"traceEvents": [
+        _k("ncclDevKernel_AllGather_RING_LL", 0, 1000),
+        op(1, [[8192, 14336]]), launch(0, 900, 1),
+        op(2, [[8192, 4096]]), launch(2000, 300, 2),
+        op(3, [[8192, 14336]]), launch(3000, 800, 3),
+        op(4, [[8192, 4096]]), launch(4000, 300, 4),
+    ]}
+    [row] = summarize(trace, steps=1)["beside_nccl"]["groups"]
+    assert (row["op"], row["beside"], row["alone"], row["ratio"]) == ("fxfuse::lora_linear_fwd", 1, 1, 1.125)
