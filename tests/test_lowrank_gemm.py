@@ -176,6 +176,67 @@ def test_output_stored_in_halves_matches_float64(monkeypatch, b_kn, u_kn):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("schedule", ["dynamic", "per_tile"])
+def test_other_schedules_match_float64(monkeypatch, schedule):
+    """Programs claiming their tiles from a counter ("dynamic": under the interpreter, which runs programs one
+    after another, the first claims them all) or one program per tile: every tile written once, ragged ones
+    included; the dynamic schedule's counters are zero again after each launch (its last program resets them), so
+    the next launch, at another shape, starts from tile 0."""
+    monkeypatch.setattr(G, "SCHEDULE", schedule)
+    monkeypatch.setattr(G, "_COUNTERS", {})
+    for M, N, K_, R, b_kn in [(70, 88, 104, 16, False), (33, 40, 64, 4, True), (70, 88, 104, 16, False)]:
+        a, b, v, u, bb = _operands(M, N, K_, R, b_kn, b_kn, True)
+        out = G.lowrank_gemm(a, b, v, u, bb, b_kn=b_kn, u_kn=b_kn)
+        ref = G.lowrank_gemm_reference(a, b, v, u, bb, b_kn=b_kn, u_kn=b_kn)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+        if schedule == "dynamic":
+            [counters] = G._COUNTERS.values()
+            assert counters.tolist() == [0, 0]
+        else:
+            assert G._COUNTERS == {}
+
+
+def test_dynamic_schedule_hands_each_launch_its_streams_counters(monkeypatch):
+    """A replayed launch of the dynamic schedule reads the counters of the stream it runs on (a role, like the
+    operands): two streams never share one pair."""
+    from fxfuse.kernels import launch_cache
+    from tests.test_launch_cache import _Binary
+
+    monkeypatch.setattr(G, "SCHEDULE", "dynamic")
+    monkeypatch.setattr(G, "_COUNTERS", {})
+    monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: True)
+    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
+    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(G, "_DESCRIPTORS", {})
+    monkeypatch.setattr(G, "_PLANS", launch_cache.PlanCache())
+    import inspect
+    from types import SimpleNamespace
+    real = G._lowrank_gemm_kernel
+    names = list(inspect.signature(getattr(real, "fn", real)).parameters)
+
+    class StandIn:
+        params = [SimpleNamespace(name=n) for n in names]
+
+        def __init__(self):
+            self.binary, self.jit_calls = _Binary(), []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.jit_calls.append((args, kwargs)) or self.binary
+
+    kern = StandIn()
+    monkeypatch.setattr(G, "_lowrank_gemm_kernel", kern)
+    a, b, v, u, _ = _operands(70, 36, 104, 4, False, False, False)
+    G.lowrank_gemm(a, b, v, u)
+    (args, kwargs), = kern.jit_calls
+    [first] = G._COUNTERS.values()
+    assert kwargs["DYNAMIC"] is True and args[6] is first and first.dtype == torch.int32
+    G._COUNTERS.clear()  # as if this launch ran on another stream: it has its own pair
+    G.lowrank_gemm(a, b, v, u)
+    (_, _, replayed), = kern.binary.launches
+    [second] = G._COUNTERS.values()
+    assert replayed[6] is second and second is not first
+
+
 def test_interpreter_declines_16_bit_operands():
     """The interpreter computes in numpy, which has no bf16: 16-bit CPU operands take the cuBLAS-style path."""
     a, b, v, u, _ = _operands(16, 24, 32, 4, False, False, False)
@@ -415,7 +476,8 @@ def test_second_launch_of_a_layout_replays_with_its_own_operands(monkeypatch):
     assert [d.base for d in descs] == [a2, b2, v2, u2, c2]
     assert [(d.shape, d.strides, d.block_shape) for d in descs] == \
         [(d.shape, d.strides, d.block_shape) for d in recorded[:5]]
-    assert args[5] is bias2 and args[6:9] == recorded[6:9]  # bias, then M, N, K as recorded
+    # the bias, the schedule's counters (the static schedule reads none: the bias stands in), M, N, K as recorded
+    assert args[5] is bias2 and args[6] is bias2 and args[7:10] == recorded[7:10]
     assert len(args) == len(names)  # every parameter, the constexprs too
     # another layout (rows), no bias, or a bias of another alignment: Triton's path
     G.lowrank_gemm(*_operands(72, 36, 104, 4, False, False, True)[:4], bias2)

@@ -57,53 +57,90 @@ INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, SPLIT_E
                           num_warps=4)
 # FXFUSE_LORA_LOWRANK_GEMM=0 (or ENABLED = False at run time) keeps cuBLAS's ``addmm_`` path: benchmarks time both.
 ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
-# One program per SM walking the tiles (persistent) or one program per tile (FXFUSE_LOWRANK_GEMM_PERSISTENT=0):
-# a persistent grid holds every SM for the whole GEMM, which NCCL kernels running beside it (FSDP2) must wait for.
-PERSISTENT = os.environ.get("FXFUSE_LOWRANK_GEMM_PERSISTENT", "1") != "0"
+# How programs get their tiles (FXFUSE_LOWRANK_GEMM_SCHEDULE):
+# * "static": one program per SM, each walking a fixed share of the tiles (persistent). Fastest alone, but beside an
+#   NCCL kernel (FSDP2's all-gathers hold 23-24 SMs) the programs that find no free SM start only when it ends and
+#   still do their whole share: such launches took 1.6-1.9x their time alone under FSDP2 (thirty-first session).
+# * "dynamic": one program per SM, each claiming its next tile from a counter in device memory: a late program takes
+#   what is left. No flattened pipeline across tiles.
+# * "per_tile": one program per tile (the hardware schedules them); FXFUSE_LOWRANK_GEMM_PERSISTENT=0 also asks it.
+SCHEDULES = ("static", "dynamic", "per_tile")
+SCHEDULE = os.environ.get("FXFUSE_LOWRANK_GEMM_SCHEDULE") or (
+    "per_tile" if os.environ.get("FXFUSE_LOWRANK_GEMM_PERSISTENT", "1") == "0" else "static")
+if SCHEDULE not in SCHEDULES:
+    raise ValueError(f"FXFUSE_LOWRANK_GEMM_SCHEDULE={SCHEDULE!r}: expected one of {SCHEDULES}")
 
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _lowrank_gemm_kernel(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, M, N, K,
+    def _lowrank_tile(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, N, k_tiles, om, on,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr, U_KN: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SPLIT_EPI: tl.constexpr):
+        """One [BM, BN] output tile at (om, on): the K loop, the low-rank K step, the bias, the store."""
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([om, ki * BK])
+            if B_KN:
+                acc = tl.dot(a, b_desc.load([ki * BK, on]), acc)
+            else:
+                acc = tl.dot(a, b_desc.load([on, ki * BK]).T, acc)
+        # The low-rank term: one more K step of width RP (rank columns past R read as zero).
+        v = v_desc.load([om, 0])
+        if U_KN:
+            acc = tl.dot(v, u_desc.load([0, on]), acc)
+        else:
+            acc = tl.dot(v, u_desc.load([on, 0]).T, acc)
+        if HAS_BIAS:
+            cols = on + tl.arange(0, BN)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if SPLIT_EPI:  # two [BM, BN / 2] stores (c's descriptor block is half the tile): half the staging
+            halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            c_desc.store([om, on], halves[0].to(c_desc.dtype))
+            c_desc.store([om, on + BN // 2], halves[1].to(c_desc.dtype))
+        else:
+            c_desc.store([om, on], acc.to(c_desc.dtype))
+
+    @triton.jit
+    def _tile_origin(tile, num_pid_m, num_pid_n, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """Tile ``tile``'s (row, column) origin: consecutive tiles share a group of GROUP_M row blocks, so the B
+        tiles they read stay in L2."""
+        in_group = GROUP_M * num_pid_n
+        first_m = (tile // in_group) * GROUP_M
+        size_m = min(num_pid_m - first_m, GROUP_M)
+        return (first_m + tile % size_m) * BM, ((tile % in_group) // size_m) * BN
+
+    @triton.jit
+    def _lowrank_gemm_kernel(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, sched_ptr, M, N, K,
                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RP: tl.constexpr,
                              B_KN: tl.constexpr, U_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
                              GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-                             SPLIT_EPI: tl.constexpr):
+                             SPLIT_EPI: tl.constexpr, DYNAMIC: tl.constexpr):
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(N, BN)
         k_tiles = tl.cdiv(K, BK)
         num_tiles = num_pid_m * num_pid_n
-        in_group = GROUP_M * num_pid_n
-        # Persistent: each program walks tiles NUM_PROGRAMS apart; consecutive tiles share a group of GROUP_M row
-        # blocks, so the B tiles they read stay in L2.
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-            first_m = (tile // in_group) * GROUP_M
-            size_m = min(num_pid_m - first_m, GROUP_M)
-            om = (first_m + tile % size_m) * BM
-            on = ((tile % in_group) // size_m) * BN
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for ki in range(k_tiles):
-                a = a_desc.load([om, ki * BK])
-                if B_KN:
-                    acc = tl.dot(a, b_desc.load([ki * BK, on]), acc)
-                else:
-                    acc = tl.dot(a, b_desc.load([on, ki * BK]).T, acc)
-            # The low-rank term: one more K step of width RP (rank columns past R read as zero).
-            v = v_desc.load([om, 0])
-            if U_KN:
-                acc = tl.dot(v, u_desc.load([0, on]), acc)
-            else:
-                acc = tl.dot(v, u_desc.load([on, 0]).T, acc)
-            if HAS_BIAS:
-                cols = on + tl.arange(0, BN)
-                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            if SPLIT_EPI:  # two [BM, BN / 2] stores (c's descriptor block is half the tile): half the staging
-                halves = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-                c_desc.store([om, on], halves[0].to(c_desc.dtype))
-                c_desc.store([om, on + BN // 2], halves[1].to(c_desc.dtype))
-            else:
-                c_desc.store([om, on], acc.to(c_desc.dtype))
+        if DYNAMIC:
+            # Each program claims its next tile from a counter (sched_ptr[0]) as it finishes one, so programs that
+            # start late, after an NCCL kernel beside this one frees its SMs, take what is left instead of a fixed
+            # share (benchmarks/fsdp2_notes.md, thirty-first session). No flattened pipeline across tiles here.
+            tile = tl.atomic_add(sched_ptr, 1)
+            while tile < num_tiles:
+                om, on = _tile_origin(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+                _lowrank_tile(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, N, k_tiles, om, on,
+                              BM, BN, BK, B_KN, U_KN, HAS_BIAS, SPLIT_EPI)
+                tile = tl.atomic_add(sched_ptr, 1)
+            # The last program out (every claim made) zeroes both counters for the next launch on this stream.
+            if tl.atomic_add(sched_ptr + 1, 1) == NUM_PROGRAMS - 1:
+                tl.atomic_xchg(sched_ptr, 0)
+                tl.atomic_xchg(sched_ptr + 1, 0)
+        else:
+            # Persistent (one program per SM walking tiles NUM_PROGRAMS apart) or, with NUM_PROGRAMS = the tile
+            # count, one program per tile.
+            for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+                om, on = _tile_origin(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+                _lowrank_tile(a_desc, b_desc, v_desc, u_desc, c_desc, bias_ptr, N, k_tiles, om, on,
+                              BM, BN, BK, B_KN, U_KN, HAS_BIAS, SPLIT_EPI)
 
 
 def _config(device: torch.device, element_size: int, rank: int) -> Optional[dict]:
@@ -158,12 +195,13 @@ def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, d
     blocks = dict(a_desc=[BM, BK], b_desc=[BK, BN] if b_kn else [BN, BK], v_desc=[BM, RP],
                   u_desc=[RP, BN] if u_kn else [BN, RP], c_desc=[BM, BN // 2] if cfg["SPLIT_EPI"] else [BM, BN])
     signature = {name: f"tensordesc<{dtype}[{blk[0]}, {blk[1]}]>" for name, blk in blocks.items()}
-    signature.update(bias_ptr=f"*{dtype}", M="i32", N="i32", K="i32")
+    signature.update(bias_ptr=f"*{dtype}", sched_ptr="*i32", M="i32", N="i32", K="i32")
     consts = dict(BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False, GROUP_M=cfg["GROUP_M"],
-                  NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"], **constexprs)
+                  NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"],
+                  DYNAMIC=cfg.get("DYNAMIC", False), **constexprs)
     signature.update({k: "constexpr" for k in consts})
     # the pointer and the sizes divisible by 16, as at the FSDP2 shapes; 132 programs, an H100 / H200's SMs
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8, 9)}
     return triton.compile(ASTSource(kernel or _lowrank_gemm_kernel, signature, consts, attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
@@ -178,13 +216,13 @@ def _tiles(a, b, v, u, c, b_kn: bool, u_kn: bool, cfg: dict):
             (u, [RP, BN] if u_kn else [BN, RP])] + ([(c, c_block)] if c is not None else [])
 
 
-def _layout_key(a, b, v, u, bias, b_kn: bool, u_kn: bool) -> tuple:
+def _layout_key(a, b, v, u, bias, b_kn: bool, u_kn: bool, schedule: str = SCHEDULE) -> tuple:
     """Everything a launch depends on but the operands' data: their device, dtypes, sizes and strides, the bias's
     presence and dtype, the layouts. Sizes go in whole, not by divisibility: a replayed launch passes the recorded
     M, N, K and grid, and its descriptors keep the recorded shapes and strides."""
     return (a.device, a.dtype, b.dtype, v.dtype, u.dtype, None if bias is None else bias.dtype,
             tuple(a.shape), a.stride(), tuple(b.shape), b.stride(), tuple(v.shape), v.stride(), tuple(u.shape),
-            u.stride(), b_kn, u_kn, PERSISTENT)
+            u.stride(), b_kn, u_kn, schedule)
 
 
 # lowrank_gemm_supported's answers for real (not meta) operands by layout and alignment: LoRA asks for every
@@ -232,11 +270,36 @@ def _supported(a, b, v, u, bias, b_kn: bool, u_kn: bool, device: Optional[torch.
     return cfg is not None and all(tile_addressable(t, blk) for t, blk in _tiles(a, b, v, u, None, b_kn, u_kn, cfg))
 
 
-def _launch_args(a, b, v, u, c, bias, b_kn: bool, u_kn: bool, device: torch.device, base=None):
+# The "dynamic" schedule's two int32 counters (next tile, programs done) per (device, stream): zero between
+# launches (the last program of each launch resets them), and one pair per stream so that launches on two streams
+# at once never share one.
+_COUNTERS: dict = {}
+
+
+def _schedule(device: torch.device) -> str:
+    """The schedule a launch on ``device`` uses: :data:`SCHEDULE`, except "static" for "dynamic" while a CUDA
+    graph is being captured on a stream that has no counters yet (made then, they would live in the graph's pool)."""
+    if (SCHEDULE == "dynamic" and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            and (device, torch.cuda.current_stream(device).cuda_stream) not in _COUNTERS):
+        return "static"
+    return SCHEDULE
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buf = _COUNTERS.get((device, stream))
+    if buf is None:
+        buf = _COUNTERS[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
+    return buf
+
+
+def _launch_args(a, b, v, u, c, bias, b_kn: bool, u_kn: bool, device: torch.device, base=None,
+                 schedule: Optional[str] = None):
     """(grid, positional args, constexprs) of one launch. ``base``: a tensor the descriptors and the bias pointer
     stand on instead of the operands, which are then only read for their shapes and strides (a warm-up compile
     from meta tensors); a launch's Triton specialisation depends on dtypes, tile shapes, constexprs, the sizes'
-    divisibility by 16 and pointer alignment, none of which the stand-in changes."""
+    divisibility by 16 and pointer alignment, none of which the stand-in changes. ``schedule``: :func:`_schedule`'s
+    answer, if the caller has it."""
     M, K = a.shape
     N = c.shape[1]
     rank = v.shape[1]
@@ -244,10 +307,14 @@ def _launch_args(a, b, v, u, c, bias, b_kn: bool, u_kn: bool, device: torch.devi
     descs = [TensorDescriptor(t if base is None else base, list(t.shape), list(t.stride()), list(blk))
              for t, blk in _tiles(a, b, v, u, c, b_kn, u_kn, cfg)]
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
-    programs = min(tiles, sm_count(device)) if PERSISTENT else tiles
+    schedule = _schedule(device) if schedule is None else schedule
+    programs = tiles if schedule == "per_tile" else min(tiles, sm_count(device))
     bias_arg = bias if bias is not None else (a if base is None else base)
-    args = (*descs, bias_arg, M, N, K)
-    consts = dict(RP=dot_pad(rank), B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs, **cfg)
+    # the counters: only the dynamic schedule reads them (any int32-aligned pointer will do for the others)
+    sched = (_counters(device) if base is None else base.view(torch.int32)) if schedule == "dynamic" else bias_arg
+    args = (*descs, bias_arg, sched, M, N, K)
+    consts = dict(RP=dot_pad(rank), B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
+                  DYNAMIC=schedule == "dynamic", **cfg)
     return (programs,), args, consts
 
 
@@ -301,15 +368,17 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    key = _layout_key(a, b, v, u, bias, b_kn, u_kn)
+    schedule = _schedule(a.device)
+    key = _layout_key(a, b, v, u, bias, b_kn, u_kn, schedule)
     templates = _DESCRIPTORS.get(key)
     if templates is not None:
-        roles = (a, b, v, u, c, a if bias is None else bias,
+        bias_arg = a if bias is None else bias
+        roles = (a, b, v, u, c, bias_arg, _counters(a.device) if schedule == "dynamic" else bias_arg,
                  *(rebase_descriptor(t, x) for t, x in zip(templates, (a, b, v, u, c))))
         replay = _PLANS.lookup(key, roles)
         if replay is not None and replay(roles, a.device.index):
             return c
-    grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device)
+    grid, args, consts = _launch_args(a, b, v, u, c, bias, b_kn, u_kn, a.device, schedule=schedule)
     if background_compile.in_flight():  # a warm-up of this specialisation in flight: wait, do not compile it twice
         background_compile.wait_for(_lowrank_gemm_kernel, _specialisation(a.device, a.dtype, args, consts))
     if not launch_cache.fast_launch_enabled():  # the interpreter, or FXFUSE_TRITON_FAST_LAUNCH=0: no replays
@@ -317,11 +386,11 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
         return c
     rec = Recorder()
     rec.launch(_lowrank_gemm_kernel, grid, args, consts)
-    descs, bias_arg = args[:5], args[5]
+    descs, bias_arg, sched = args[:5], args[5], args[6]
     if len(_DESCRIPTORS) >= _PLANS.max_entries:
         _DESCRIPTORS.clear()
     _DESCRIPTORS[key] = tuple(rebase_descriptor(d, None) for d in descs)
-    _PLANS.store(key, (a, b, v, u, c, bias_arg, *descs), rec)
+    _PLANS.store(key, (a, b, v, u, c, bias_arg, sched, *descs), rec)
     return c
 
 
