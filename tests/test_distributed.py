@@ -87,6 +87,7 @@ def _worker(rank, world, port, cases, result_dir):
     assert all(c.startswith("tp_") == tp for c in cases), cases  # a batch is all tensor-parallel or none
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for case in cases:
+        started = time.perf_counter()
         try:
             result = (_train_tp if tp else _train)(rank, world, case)
         except BaseException:
@@ -98,8 +99,8 @@ def _worker(rank, world, port, cases, result_dir):
             os._exit(1)  # no teardown: the other ranks may be inside a collective this rank will never join
         if rank == 0:
             tmp = os.path.join(result_dir, f"{case}.json.tmp")
-            with open(tmp, "w") as f:
-                json.dump(result, f)
+            with open(tmp, "w") as f:  # (with its seconds: where a batch's CI time goes)
+                json.dump({**result, "case_seconds": round(time.perf_counter() - started, 1)}, f)
             os.replace(tmp, os.path.join(result_dir, f"{case}.json"))
         _between_cases()
     if tp:

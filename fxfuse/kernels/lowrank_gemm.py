@@ -58,12 +58,16 @@ INTERPRETER_CONFIG = dict(BM=32, BN=32, BK=32, GROUP_M=2, FLATTEN=False, SPLIT_E
 # FXFUSE_LORA_LOWRANK_GEMM=0 (or ENABLED = False at run time) keeps cuBLAS's ``addmm_`` path: benchmarks time both.
 ENABLED = os.environ.get("FXFUSE_LORA_LOWRANK_GEMM", "1") != "0"
 # How programs get their tiles (FXFUSE_LOWRANK_GEMM_SCHEDULE):
-# * "static": one program per SM, each walking a fixed share of the tiles (persistent). Fastest alone, but beside an
-#   NCCL kernel (FSDP2's all-gathers hold 23-24 SMs) the programs that find no free SM start only when it ends and
-#   still do their whole share: such launches took 1.6-1.9x their time alone under FSDP2 (thirty-first session).
+# * "static" (default): one program per SM, each walking a fixed share of the tiles (persistent). Fastest alone, but
+#   beside an NCCL kernel (FSDP2's all-gathers hold 23-24 SMs) the programs that find no free SM start only when it
+#   ends and still do their whole share: under FSDP2 (8B LoRA, 2x H200) such launches took 1.75-1.86x their time
+#   alone, cuBLAS's 1.08-1.42x.
 # * "dynamic": one program per SM, each claiming its next tile from a counter in device memory: a late program takes
-#   what is left. No flattened pipeline across tiles.
+#   what is left. Beside NCCL 1.12-1.24x, but alone ~8% slower than "static" (no pipeline across tiles).
 # * "per_tile": one program per tile (the hardware schedules them); FXFUSE_LOWRANK_GEMM_PERSISTENT=0 also asks it.
+# The three steps under FSDP2 came out within the runs' spread (static 305.5-308.4 ms, dynamic 309.8-311.8, per tile
+# 299.7-305.7; benchmarks/fsdp2_notes.md, thirty-first session): the NCCL kernels the static schedule waits for are
+# not waited for elsewhere, so static stays the default.
 SCHEDULES = ("static", "dynamic", "per_tile")
 SCHEDULE = os.environ.get("FXFUSE_LOWRANK_GEMM_SCHEDULE") or (
     "per_tile" if os.environ.get("FXFUSE_LOWRANK_GEMM_PERSISTENT", "1") == "0" else "static")
