@@ -176,6 +176,37 @@ def test_output_stored_in_halves_matches_float64(monkeypatch, b_kn, u_kn):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
 
 
+def _replaying_stand_in(monkeypatch):
+    """Replays on, on CPU: a stand-in for the kernel records each JIT launch ``(args, kwargs)`` and returns a fake
+    binary whose replays it records too (replays are for compiled kernels)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from fxfuse.kernels import launch_cache
+    from tests.test_launch_cache import _Binary
+
+    monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: True)
+    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
+    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(G, "_DESCRIPTORS", {})
+    monkeypatch.setattr(G, "_PLANS", launch_cache.PlanCache())
+    real = G._lowrank_gemm_kernel
+    names = list(inspect.signature(getattr(real, "fn", real)).parameters)  # the real kernel's, constexprs included
+
+    class StandIn:
+        params = [SimpleNamespace(name=n) for n in names]
+
+        def __init__(self):
+            self.binary, self.jit_calls = _Binary(), []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.jit_calls.append((args, kwargs)) or self.binary
+
+    kern = StandIn()
+    monkeypatch.setattr(G, "_lowrank_gemm_kernel", kern)
+    return kern, len(names)
+
+
 @pytest.mark.parametrize("schedule", ["dynamic", "per_tile"])
 def test_other_schedules_match_float64(monkeypatch, schedule):
     """Programs claiming their tiles from a counter ("dynamic": under the interpreter, which runs programs one
@@ -199,32 +230,9 @@ def test_other_schedules_match_float64(monkeypatch, schedule):
 def test_dynamic_schedule_hands_each_launch_its_streams_counters(monkeypatch):
     """A replayed launch of the dynamic schedule reads the counters of the stream it runs on (a role, like the
     operands): two streams never share one pair."""
-    from fxfuse.kernels import launch_cache
-    from tests.test_launch_cache import _Binary
-
     monkeypatch.setattr(G, "SCHEDULE", "dynamic")
     monkeypatch.setattr(G, "_COUNTERS", {})
-    monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: True)
-    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
-    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
-    monkeypatch.setattr(G, "_DESCRIPTORS", {})
-    monkeypatch.setattr(G, "_PLANS", launch_cache.PlanCache())
-    import inspect
-    from types import SimpleNamespace
-    real = G._lowrank_gemm_kernel
-    names = list(inspect.signature(getattr(real, "fn", real)).parameters)
-
-    class StandIn:
-        params = [SimpleNamespace(name=n) for n in names]
-
-        def __init__(self):
-            self.binary, self.jit_calls = _Binary(), []
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.jit_calls.append((args, kwargs)) or self.binary
-
-    kern = StandIn()
-    monkeypatch.setattr(G, "_lowrank_gemm_kernel", kern)
+    kern, _ = _replaying_stand_in(monkeypatch)
     a, b, v, u, _ = _operands(70, 36, 104, 4, False, False, False)
     G.lowrank_gemm(a, b, v, u)
     (args, kwargs), = kern.jit_calls
@@ -431,35 +439,7 @@ def test_second_launch_of_a_layout_replays_with_its_own_operands(monkeypatch):
     later call with the same sizes, strides, dtypes and alignment launches the recorded binary with its own
     operands in every slot (the descriptors rebuilt over them), and any other layout or a bias of another alignment
     takes Triton's path again. On CPU a stand-in kernel records the launches (replays are for compiled kernels)."""
-    from fxfuse.kernels import launch_cache
-    from tests.test_launch_cache import _Binary
-
-    monkeypatch.setattr(launch_cache, "fast_launch_enabled", lambda: True)
-    monkeypatch.setattr(launch_cache, "_hooks_idle", lambda: True)
-    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 7)
-    monkeypatch.setattr(G, "_DESCRIPTORS", {})
-    monkeypatch.setattr(G, "_PLANS", launch_cache.PlanCache())
-
-    import inspect
-    from types import SimpleNamespace
-
-    real = G._lowrank_gemm_kernel
-    names = list(inspect.signature(getattr(real, "fn", real)).parameters)  # the real kernel's, constexprs included
-
-    class StandIn:
-        params = [SimpleNamespace(name=n) for n in names]
-
-        def __init__(self):
-            self.binary, self.jit_calls = _Binary(), []
-
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                self.jit_calls.append(args)
-                return self.binary
-            return call
-
-    kern = StandIn()
-    monkeypatch.setattr(G, "_lowrank_gemm_kernel", kern)
+    kern, n_params = _replaying_stand_in(monkeypatch)
     a, b, v, u, bias = _operands(70, 36, 104, 4, False, False, True)
     G.lowrank_gemm(a, b, v, u, bias)
     assert len(kern.jit_calls) == 1 and kern.binary.launches == []
@@ -470,7 +450,7 @@ def test_second_launch_of_a_layout_replays_with_its_own_operands(monkeypatch):
     c2 = G.lowrank_gemm(a2, b2, v2, u2, bias2)
     assert len(kern.jit_calls) == 1 and built == []  # neither Triton's dispatch nor the launch arguments again
     (grid, stream, args), = kern.binary.launches
-    recorded = kern.jit_calls[0]
+    recorded = kern.jit_calls[0][0]
     assert stream == 7 and grid[1:] == (1, 1)  # the recorded 1-D grid
     descs = args[:5]
     assert [d.base for d in descs] == [a2, b2, v2, u2, c2]
@@ -478,7 +458,7 @@ def test_second_launch_of_a_layout_replays_with_its_own_operands(monkeypatch):
         [(d.shape, d.strides, d.block_shape) for d in recorded[:5]]
     # the bias, the schedule's counters (the static schedule reads none: the bias stands in), M, N, K as recorded
     assert args[5] is bias2 and args[6] is bias2 and args[7:10] == recorded[7:10]
-    assert len(args) == len(names)  # every parameter, the constexprs too
+    assert len(args) == n_params  # every parameter, the constexprs too
     # another layout (rows), no bias, or a bias of another alignment: Triton's path
     G.lowrank_gemm(*_operands(72, 36, 104, 4, False, False, True)[:4], bias2)
     G.lowrank_gemm(a2, b2, v2, u2)

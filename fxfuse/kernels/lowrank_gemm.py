@@ -18,7 +18,8 @@ no offset wraps at 2**31 elements.
 Where: CUDA with the copy engine (sm_90+), 16-bit operands; the Triton interpreter (CPU tests, fp32). Launch
 setting: 128 x 256 tiles, K step 64, 3 stages, 8 warps, a persistent loop over the tiles in groups of 8 row blocks
 (L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``), flattened with the K loop into one
-pipeline, the output tile stored in two halves (:data:`CONFIG`). :func:`compiled_for` builds the kernel for an sm_90
+pipeline, the output tile stored in two halves (:data:`CONFIG`). How programs get their tiles (persistent with fixed shares, claimed from a counter,
+or one program per tile) is :data:`SCHEDULE`; FSDP2's NCCL kernels beside it are why that matters. :func:`compiled_for` builds the kernel for an sm_90
 card without one (shared memory, the PTX): ``config_for``'s count is checked against it on CPU.
 
 The twenty-first session shipped ``tl.range(..., warp_specialize=True)`` on the tile loop, from a sweep where it
