@@ -142,12 +142,13 @@ def _overlap(a: float, b: float, cover: List[Tuple[float, float]], starts: List[
 def beside_nccl(kernels: List[Dict], iv: List[Tuple[float, float]], nccl: List[Tuple[float, float]],
                 ops: Optional[Dict] = None, top: int = 8) -> Dict:
     """How much NCCL kernels running beside them slow the compute kernels (NCCL takes SMs and memory bandwidth).
-    Per kind, the kernel time that overlapped NCCL; then, for the launches of one kernel at one grid (the same
-    work), the mean duration of the launches that ran beside NCCL for more than half their time against those that
-    ran with none: ``ratio`` > 1 is the slowdown. ``ops`` maps a kernel's ``External id`` to the CPU op that
-launched it and that op's input shapes (:func:`launching_ops`; needs ``record_shapes=True``) so that launches of a
-persistent kernel, whose grid is the SM count at any shape, are compared only with launches of the same shapes. The ``top`` such groups by total time, and the matmuls' sum:
-    ``matmul_alone_ms`` is what the matmul launches would have taken at their no-NCCL speed."""
+    Per kind, the kernel time that overlapped NCCL; then, for the launches of one kernel doing the same work, the
+    mean duration of the launches that ran beside NCCL for more than half their time against those that ran with
+    none: ``ratio`` > 1 is the slowdown. The same work: the same kernel at the same grid, launched by the same CPU op
+    with the same input shapes as its same-numbered launch (``ops`` maps a kernel's ``External id`` to that op and
+    its shapes: :func:`launching_ops`, which needs ``record_shapes=True``), since a persistent kernel's grid is the
+    SM count at any shape. The ``top`` such groups by total time, and the matmuls' sum: ``matmul_alone_ms`` is what
+    the compared matmul launches would have taken at their no-NCCL speed."""
     starts = [a for a, _ in nccl]
     ops = ops or {}
     by_kind: Dict[str, float] = defaultdict(float)
@@ -175,7 +176,8 @@ persistent kernel, whose grid is the SM count at any shape, are compared only wi
         if not w or not wo:
             continue
         mean_w, mean_wo = sum(w) / len(w), sum(wo) / len(wo)
-        rows.append({"name": _short(name), "grid": grid, "op": op[0] if op else None, "kind": kind_of(name), "beside": len(w), "alone": len(wo),
+        rows.append({"name": _short(name), "grid": grid, "op": op[0] if op else None, "kind": kind_of(name),
+                     "beside": len(w), "alone": len(wo),
                      "mean_beside_us": round(mean_w, 1), "mean_alone_us": round(mean_wo, 1),
                      "ratio": round(mean_w / mean_wo, 3), "total_ms": (sum(w) + sum(wo)) / 1e3})
         if kind_of(name) == "matmul":

@@ -41,9 +41,9 @@ def mm_lowrank(a, b, v, u, b_kn: bool, cfg):
     programs = min(tiles, sm_count(a))
     G._lowrank_gemm_kernel[(programs,)](
         desc(a, [BM, BK]), desc(b, [BK, BN] if b_kn else [BN, BK]), desc(v, [BM, dot_pad(R)]),
-        desc(u, [BN, dot_pad(R)]), desc(c, [BM, BN]), a, M, N, K, BM=BM, BN=BN, BK=BK, RP=dot_pad(R), B_KN=b_kn,
+        desc(u, [BN, dot_pad(R)]), desc(c, [BM, BN]), a, a, M, N, K, BM=BM, BN=BN, BK=BK, RP=dot_pad(R), B_KN=b_kn,
         U_KN=False, HAS_BIAS=False, GROUP_M=8, NUM_PROGRAMS=programs, FLATTEN=flatten, SPLIT_EPI=False,
-        num_stages=stages,
+        DYNAMIC=False, num_stages=stages,
         num_warps=warps)
     return c
 

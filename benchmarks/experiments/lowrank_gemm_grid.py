@@ -17,10 +17,11 @@ for name, N, din, dout in (("q_proj", 16384, 4096, 4096), ("up_proj", 16384, 409
     go = torch.randn(N, dout, device=dev, dtype=torch.bfloat16)
     for p in (0.0, 0.05):
         row = dict(shape=name, p=p, gpu=torch.cuda.get_device_name())
-        for label, enabled, persistent in (("persistent", True, True), ("per_tile", True, False), ("off", False, True)):
-            G.ENABLED, G.PERSISTENT = enabled, persistent
+        for label, enabled, schedule in (("persistent", True, "static"), ("per_tile", True, "per_tile"),
+                                         ("off", False, "static")):
+            G.ENABLED, G.SCHEDULE = enabled, schedule
             row[label] = round(do_bench(lambda: lora_linear(x, W, A, B, 2.0, dropout_p=p).backward(go)), 4)
         xb = x.detach().requires_grad_()
         row["base"] = round(do_bench(lambda: torch.nn.functional.linear(xb, W).backward(go)), 4)
         print(json.dumps(row), flush=True)
-G.ENABLED, G.PERSISTENT = True, True
+G.ENABLED, G.SCHEDULE = True, "static"

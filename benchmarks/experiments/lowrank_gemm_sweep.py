@@ -75,9 +75,9 @@ def launcher(a, b, v, u, b_kn: bool, u_kn: bool, cfg: dict):
     kernel = G._lowrank_gemm_kernel[(programs,)]
 
     def launch():
-        kernel(*descs, a, M, N, K, BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False,
+        kernel(*descs, a, a, M, N, K, BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False,
                GROUP_M=cfg["GROUP_M"], NUM_PROGRAMS=programs, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"],
-               num_stages=cfg["num_stages"], num_warps=cfg["num_warps"])
+               DYNAMIC=False, num_stages=cfg["num_stages"], num_warps=cfg["num_warps"])
         return c
     return launch, c
 

@@ -18,8 +18,9 @@ no offset wraps at 2**31 elements.
 Where: CUDA with the copy engine (sm_90+), 16-bit operands; the Triton interpreter (CPU tests, fp32). Launch
 setting: 128 x 256 tiles, K step 64, 3 stages, 8 warps, a persistent loop over the tiles in groups of 8 row blocks
 (L2 reuse of B) (an H100 sweep, ``benchmarks/experiments/lora_lowrank_gemm.py``), flattened with the K loop into one
-pipeline, the output tile stored in two halves (:data:`CONFIG`). How programs get their tiles (persistent with fixed shares, claimed from a counter,
-or one program per tile) is :data:`SCHEDULE`; FSDP2's NCCL kernels beside it are why that matters. :func:`compiled_for` builds the kernel for an sm_90
+pipeline, the output tile stored in two halves (:data:`CONFIG`). How programs get their tiles (persistent with fixed
+shares, claimed from a counter, or one program per tile) is :data:`SCHEDULE`: FSDP2's NCCL kernels beside it are why
+that matters. :func:`compiled_for` builds the kernel for an sm_90
 card without one (shared memory, the PTX): ``config_for``'s count is checked against it on CPU.
 
 The twenty-first session shipped ``tl.range(..., warp_specialize=True)`` on the tile loop, from a sweep where it
@@ -200,14 +201,16 @@ def compiled_for(rank: int, b_kn: bool, u_kn: bool, cfg: dict, arch: int = 90, d
     blocks = dict(a_desc=[BM, BK], b_desc=[BK, BN] if b_kn else [BN, BK], v_desc=[BM, RP],
                   u_desc=[RP, BN] if u_kn else [BN, RP], c_desc=[BM, BN // 2] if cfg["SPLIT_EPI"] else [BM, BN])
     signature = {name: f"tensordesc<{dtype}[{blk[0]}, {blk[1]}]>" for name, blk in blocks.items()}
-    signature.update(bias_ptr=f"*{dtype}", sched_ptr="*i32", M="i32", N="i32", K="i32")
+    kernel = kernel or _lowrank_gemm_kernel
+    scheduled = "sched_ptr" in kernel.arg_names  # revisions before the tile schedules had neither argument
+    signature.update(bias_ptr=f"*{dtype}", **({"sched_ptr": "*i32"} if scheduled else {}), M="i32", N="i32", K="i32")
     consts = dict(BM=BM, BN=BN, BK=BK, RP=RP, B_KN=b_kn, U_KN=u_kn, HAS_BIAS=False, GROUP_M=cfg["GROUP_M"],
                   NUM_PROGRAMS=132, FLATTEN=cfg["FLATTEN"], SPLIT_EPI=cfg["SPLIT_EPI"],
-                  DYNAMIC=cfg.get("DYNAMIC", False), **constexprs)
+                  **({"DYNAMIC": cfg.get("DYNAMIC", False)} if scheduled else {}), **constexprs)
     signature.update({k: "constexpr" for k in consts})
     # the pointer and the sizes divisible by 16, as at the FSDP2 shapes; 132 programs, an H100 / H200's SMs
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6, 7, 8, 9)}
-    return triton.compile(ASTSource(kernel or _lowrank_gemm_kernel, signature, consts, attrs),
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ((5, 6, 7, 8, 9) if scheduled else (5, 6, 7, 8))}
+    return triton.compile(ASTSource(kernel, signature, consts, attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
