@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -284,30 +284,28 @@ def _supported(a, b, v, u, bias, b_kn: bool, u_kn: bool, device: Optional[torch.
 _COUNTERS: dict = {}
 
 
-def _schedule(device: torch.device) -> str:
-    """The schedule a launch on ``device`` uses: :data:`SCHEDULE`, except "static" for "dynamic" while a CUDA
-    graph is being captured on a stream that has no counters yet (made then, they would live in the graph's pool)."""
-    if (SCHEDULE == "dynamic" and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            and (device, torch.cuda.current_stream(device).cuda_stream) not in _COUNTERS):
-        return "static"
-    return SCHEDULE
-
-
-def _counters(device: torch.device) -> torch.Tensor:
+def _schedule_for(device: torch.device) -> Tuple[str, Optional[torch.Tensor]]:
+    """The schedule a launch on ``device``'s current stream uses and, for "dynamic", that stream's counters (one
+    stream lookup a launch). "static" stands in for "dynamic" while a CUDA graph is being captured on a stream that
+    has no counters yet: made then, they would live in the graph's pool."""
+    if SCHEDULE != "dynamic":
+        return SCHEDULE, None
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     buf = _COUNTERS.get((device, stream))
     if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "static", None
         buf = _COUNTERS[(device, stream)] = torch.zeros(2, dtype=torch.int32, device=device)
-    return buf
+    return "dynamic", buf
 
 
 def _launch_args(a, b, v, u, c, bias, b_kn: bool, u_kn: bool, device: torch.device, base=None,
-                 schedule: Optional[str] = None):
+                 schedule: Optional[Tuple[str, Optional[torch.Tensor]]] = None):
     """(grid, positional args, constexprs) of one launch. ``base``: a tensor the descriptors and the bias pointer
     stand on instead of the operands, which are then only read for their shapes and strides (a warm-up compile
     from meta tensors); a launch's Triton specialisation depends on dtypes, tile shapes, constexprs, the sizes'
-    divisibility by 16 and pointer alignment, none of which the stand-in changes. ``schedule``: :func:`_schedule`'s
-    answer, if the caller has it."""
+    divisibility by 16 and pointer alignment, none of which the stand-in changes. ``schedule``:
+    :func:`_schedule_for`'s answer, if the caller has it."""
     M, K = a.shape
     N = c.shape[1]
     rank = v.shape[1]
@@ -315,11 +313,13 @@ def _launch_args(a, b, v, u, c, bias, b_kn: bool, u_kn: bool, device: torch.devi
     descs = [TensorDescriptor(t if base is None else base, list(t.shape), list(t.stride()), list(blk))
              for t, blk in _tiles(a, b, v, u, c, b_kn, u_kn, cfg)]
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
-    schedule = _schedule(device) if schedule is None else schedule
+    if schedule is None:  # a warm-up (base) compiles SCHEDULE's kernel and needs no counters
+        schedule = _schedule_for(device) if base is None else (SCHEDULE, None)
+    schedule, counters = schedule
     programs = tiles if schedule == "per_tile" else min(tiles, sm_count(device))
     bias_arg = bias if bias is not None else (a if base is None else base)
     # the counters: only the dynamic schedule reads them (any int32-aligned pointer will do for the others)
-    sched = (_counters(device) if base is None else base.view(torch.int32)) if schedule == "dynamic" else bias_arg
+    sched = (counters if base is None else base.view(torch.int32)) if schedule == "dynamic" else bias_arg
     args = (*descs, bias_arg, sched, M, N, K)
     consts = dict(RP=dot_pad(rank), B_KN=b_kn, U_KN=u_kn, HAS_BIAS=bias is not None, NUM_PROGRAMS=programs,
                   DYNAMIC=schedule == "dynamic", **cfg)
@@ -376,12 +376,12 @@ def lowrank_gemm(a, b, v, u, bias: Optional[torch.Tensor] = None, b_kn: bool = F
     M, K = a.shape
     N = b.shape[1] if b_kn else b.shape[0]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    schedule = _schedule(a.device)
-    key = _layout_key(a, b, v, u, bias, b_kn, u_kn, schedule)
+    schedule = _schedule_for(a.device)
+    key = _layout_key(a, b, v, u, bias, b_kn, u_kn, schedule[0])
     templates = _DESCRIPTORS.get(key)
     if templates is not None:
         bias_arg = a if bias is None else bias
-        roles = (a, b, v, u, c, bias_arg, _counters(a.device) if schedule == "dynamic" else bias_arg,
+        roles = (a, b, v, u, c, bias_arg, bias_arg if schedule[1] is None else schedule[1],
                  *(rebase_descriptor(t, x) for t, x in zip(templates, (a, b, v, u, c))))
         replay = _PLANS.lookup(key, roles)
         if replay is not None and replay(roles, a.device.index):
