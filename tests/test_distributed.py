@@ -71,6 +71,10 @@ def _worker(rank, world, port, cases, result_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
     import torch.distributed as dist
+    # One intra-op thread a rank, as conftest gives each xdist worker its share of the cores: a spawned rank would
+    # take a thread per core, and two ranks of a lock-stepped gloo group beside the other worker oversubscribe CI's
+    # two cores (a rank waiting in a collective for one descheduled behind the other's threads).
+    torch.set_num_threads(1)
     # What the ranks use is imported before the group exists: torch.distributed.nn.functional (which FSDP2 imports)
     # binds the default group of the moment of its import as default arguments; imported after init_process_group
     # it would keep the group (and its gloo threads) alive past destroy_process_group, to the interpreter's exit.
