@@ -70,6 +70,7 @@ def _worker(rank, world, port, cases, result_dir):
     sys.path.insert(0, HERE)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
+    import torch  # (a local name here: the imports of torch's submodules below bind it)
     import torch.distributed as dist
     # One intra-op thread a rank, as conftest gives each xdist worker its share of the cores: a spawned rank would
     # take a thread per core, and two ranks of a lock-stepped gloo group beside the other worker oversubscribe CI's
