@@ -100,6 +100,10 @@ def tiny_causal_lm(arch: str = "llama", **overrides):
         cfg = tf.Gemma3TextConfig(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
                                   layer_types=["sliding_attention", "full_attention"])
         cls = tf.Gemma3ForCausalLM
+    elif arch == "llama4":  # dense Llama-4 text: layer 0 chunked attention with RoPE, layer 1 full without (NoPE)
+        cfg = tf.Llama4TextConfig(**common, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8,
+                                  interleave_moe_layer_step=1, moe_layers=[], no_rope_layers=[1, 0])
+        cls = tf.Llama4ForCausalLM
     else:
         raise ValueError(arch)
     attn = overrides.pop("attn_implementation", "eager")

@@ -59,6 +59,32 @@ def test_document_ranges_are_each_tokens_document_run():
     assert r[1].tolist() == [[2, 2, 5, 5, 5, 6], [1, 6, 6, 6, 6, 6]]
 
 
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_chunk_ids_keep_exactly_the_pairs_of_transformers_chunked_mask(with_docs):
+    """The ids built for chunked attention put two tokens in one run iff transformers' chunked mask function
+    (``(kv - lp[b]) // C == (q - lp[b]) // C``, on position ids when packed) and, when packed, its documents keep
+    the pair; every run is contiguous (what document_ranges needs)."""
+    from fxfuse.attention.mask_recipe import chunk_and_document_ids, chunk_document_ids
+
+    S, C = 29, 4
+    lp = torch.tensor([0, 3, 9])  # HF's left-padding counts: chunks start at each row's first real token
+    if with_docs:  # packed rows: positions restart at each document (lengths 6, 13, 10), chunks within each
+        pos = torch.cat([torch.arange(n) for n in (6, 13, 10)])[None].expand(3, S)
+        docs = (torch.diff(pos, dim=-1, prepend=pos[:, :1]) != 1).cumsum(-1)
+        ids = chunk_and_document_ids(chunk_document_ids(pos, lp, 0, -1, C), docs)
+        keep = ((pos[:, :, None] - lp[:, None, None]) // C == (pos[:, None, :] - lp[:, None, None]) // C) & \
+            (docs[:, :, None] == docs[:, None, :])
+    else:
+        t = torch.arange(S)
+        ids = chunk_document_ids(t, lp, 0, -1, C)
+        keep = (t[None, :, None] - lp[:, None, None]) // C == (t[None, None, :] - lp[:, None, None]) // C
+    assert ids.shape == (3, S) and ids.dtype == torch.int64
+    assert torch.equal(ids[:, :, None] == ids[:, None, :], keep)
+    assert bool((torch.diff(ids, dim=-1) >= 0).all())
+    if not with_docs:  # row 1's chunks start at its first real token, 3
+        assert (ids[1, :3] != ids[1, 3]).all() and ids[1, 3] == ids[1, 6] != ids[1, 7]
+
+
 CASES = [  # B, Hq, Hkv, S, D, document starts per row, padding, softcap, window, masked_rows
     (2, 4, 2, 37, 16, [[5, 17, 30], [1, 36]], None, 0.0, 0, "zero"),
     (1, 4, 1, 64, 32, [[3, 40]], None, 20.0, 0, "zero"),
@@ -255,6 +281,11 @@ MODELS = [  # arch, attention implementation, layout, recipe names expected at t
      {"sliding_window": 6, "use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}),
     ("gemma2", "eager", "padded", {"causal + window 6 + key padding", "causal + key padding"}, {"sliding_window": 6}),
     ("gemma3", "eager", "packed", {"causal + window 6 + documents", "causal + documents"}, {"sliding_window": 6}),
+    # Llama-4's chunked attention (chunks of 8): from the row's first real token (left padding), within each
+    # packed document, and with neither (the mask HF builds once a row passes one chunk)
+    ("llama4", "sdpa", "padded", {"causal + chunks of 8 + key padding", "causal + key padding"}, {}),
+    ("llama4", "eager", "packed", {"causal + documents + chunks of 8", "causal + documents"}, {}),
+    ("llama4", "sdpa", "plain", {"causal + chunks of 8", "causal"}, {}),
 ]
 
 
@@ -267,7 +298,7 @@ def _batch(layout, n, g):
         am[1, n - 5:] = 0
         kw["labels"][am == 0] = -100
         kw["attention_mask"] = am
-    else:  # packed: three documents per row, position ids restart
+    elif layout == "packed":  # three documents per row, position ids restart
         cuts = [0, n // 3, n - 4, n]
         kw["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None].expand(2, n)
     return ids, kw

@@ -9,6 +9,7 @@ broadcast to ``[B, 1, S, Skv]``::
     keep = keep & (kv > q - W)                                # sliding window (Mistral, Gemma-2/3, Qwen3, ...)
     keep = keep & (pos[b, kv] <= pos[b, q])                   # causal from position ids (packed rows)
     keep = keep & (doc[b, q] == doc[b, kv])                   # packed documents: doc = (diff(pos) != 1).cumsum(-1)
+    keep = keep & ((kv - lp[b]) // C == (q - lp[b]) // C)     # chunked attention (Llama-4), lp = left padding
     keep = keep & attention_mask.bool()[b, kv]                # padding
     mask = where(keep, 0.0, finfo.min)                        # eager attention's additive form
 
@@ -21,6 +22,10 @@ conjunction of atoms), and only a conjunction of atoms the kernel implements bec
 * ``window``    ``q - kv < W``
 * ``docs``      ``doc[q] == doc[kv]`` with ``doc = cumsum(bool, -1)`` (non-decreasing, so every document is one
                 contiguous run: what ``fxfuse::softcap_attention``'s ``doc_ranges`` needs)
+* ``chunks``    ``(kv + c - lp[b]) // C == (q + c - lp[b]) // C`` for a constant ``C > 0`` and an optional per-row
+                integer ``lp`` (HF's left-padding count): the same as documents with the ids
+                ``(t + c - lp[b]) // C``, non-decreasing along the row for any ``lp``, so the recipe builds those
+                O(B x S) ids in the graph (:func:`chunk_document_ids`) and the kernel takes them as documents
 * ``key_valid`` a bool per-key vector (``attention_mask[b, kv]``)
 
 Anything else (an OR, a negation, a mask that arrives as a graph input, a per-query padding term, index arithmetic
@@ -44,7 +49,8 @@ from fxfuse.graph_utils import arg, const_number, graph_modules, known_true, nod
 from .conventions import MASKED_BELOW
 from .op import document_ranges
 
-__all__ = ["MaskRecipe", "read_mask_recipe", "RecipeInputs", "mark_mask", "erase_dead_masks", "HOPS_WITH_BODY"]
+__all__ = ["MaskRecipe", "read_mask_recipe", "RecipeInputs", "mark_mask", "erase_dead_masks", "HOPS_WITH_BODY",
+           "chunk_document_ids"]
 
 _AXES = ("b", "h", "q", "kv")
 # Higher-order ops whose first argument is a body GraphModule fed one-to-one by the remaining operands.
@@ -62,6 +68,8 @@ class _Lin:
     coefs: Tuple[Tuple[str, int], ...]
     const: int = 0
     length: Any = None
+    src: Optional[fx.Node] = None  # the arange node of a (placed) single index, kept through shifts
+    start: int = 0                 # that arange's start: the index's value at position t is t + const
 
     def coef(self, axis: str) -> int:
         return dict(self.coefs).get(axis, 0)
@@ -75,7 +83,13 @@ class _Lin:
         return _Lin(tuple(sorted((a, v) for a, v in c.items() if v)), self.const + sign * other.const)
 
     def shift(self, k: int) -> "_Lin":
-        return _Lin(self.coefs, self.const + k, self.length)
+        return _Lin(self.coefs, self.const + k, self.length, self.src, self.start)
+
+    def single_axis(self) -> Optional[str]:
+        """``'q'`` or ``'kv'`` if this is ``index + const`` along that axis (coefficient 1), else None."""
+        if len(self.coefs) == 1 and self.coefs[0][1] == 1 and self.coefs[0][0] in ("q", "kv"):
+            return self.coefs[0][0]
+        return None
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,59 @@ class _Vec:
     axis: str           # "q" or "kv"
     batch: str          # "b" (row b of src) or "0" (row 0 for every batch row)
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Row:
+    """``src[b]``: a per-row integer ([B] or [1], e.g. HF's left-padding count) read at each element's batch row."""
+    src: fx.Node
+    batch: str          # "b" or "0"
+
+
+@dataclass(frozen=True)
+class _Coord:
+    """A token's coordinate along one axis (``q`` or ``kv``) plus a constant: ``t + const`` of an arange node
+    (``kind='index'``, ``src`` the arange, ``where`` its start) or ``pos[b, t] + const`` of a per-token position
+    vector (``kind='pos'``, ``src`` its base node, ``where`` its batch "b" / "0")."""
+    axis: str
+    kind: str
+    src: fx.Node
+    where: Any
+    const: int
+
+    def same_but_axis(self, other: "_Coord") -> bool:
+        """The same function of the token along q as along kv (two aranges are: ``t + const`` either way)."""
+        same = (self.kind, self.const) == (other.kind, other.const) and (
+            self.kind == "index" or (self.src, self.where) == (other.src, other.where))
+        return same and {self.axis, other.axis} == {"q", "kv"}
+
+
+def _coord(x: Any) -> Optional[_Coord]:
+    if isinstance(x, _Lin) and x.single_axis() and x.src is not None:
+        return _Coord(x.single_axis(), "index", x.src, x.start, x.const)
+    p = _as_plin(x)
+    if p is not None and len(p.coefs) == 1 and p.coefs[0][1] == 1 and p.coefs[0][0] in ("q", "kv"):
+        return _Coord(p.coefs[0][0], "pos", p.src, p.batch, p.const)
+    return None
+
+
+@dataclass(frozen=True)
+class _RLin:
+    """``coord + sign * row[b]`` (e.g. ``q - left_padding[b]``)."""
+    coord: _Coord
+    row: Optional[_Row]
+    sign: int
+
+    def shift(self, k: int) -> "_RLin":
+        c = self.coord
+        return _RLin(_Coord(c.axis, c.kind, c.src, c.where, c.const + k), self.row, self.sign)
+
+
+@dataclass(frozen=True)
+class _Floor:
+    """``(coord + sign * row[b]) // size``: a chunk id along one axis."""
+    rlin: _RLin
+    size: int
 
 
 @dataclass(frozen=True)
@@ -130,6 +197,9 @@ class MaskRecipe:
     window: int = 0
     docs: Optional[fx.Node] = None        # [B|1, S] non-decreasing document ids
     key_valid: Optional[fx.Node] = None   # [B|1, Skv] bool
+    # chunked attention: (the query arange node, its start, the index's constant, the per-row term (_Row) or None,
+    # its sign, the chunk size); RecipeInputs builds the document ids chunk_document_ids() gives from them
+    chunks: Optional[tuple] = None
     fill: Optional[float] = None          # additive masks: the value of masked entries (None: a bool mask)
     home: Optional[fx.GraphModule] = None  # the graph module where the vectors live
     route: List[Tuple[fx.Node, fx.GraphModule]] = field(default_factory=list)  # (HOP call, body) home -> site
@@ -142,13 +212,16 @@ class MaskRecipe:
             parts.append(f"window {self.window}")
         if self.docs is not None:
             parts.append("documents")
+        if self.chunks is not None:
+            parts.append(f"chunks of {self.chunks[-1]}")
         if self.key_valid is not None:
             parts.append("key padding")
         return " + ".join(parts)
 
     @property
     def plain_causal(self) -> bool:
-        return self.causal and not self.window and self.docs is None and self.key_valid is None
+        return self.causal and not self.window and self.docs is None and self.chunks is None and \
+            self.key_valid is None
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -252,6 +325,12 @@ class _Reader:
                 if not a.coefs and k == "add":
                     return b.shift(a.const)
                 return a.plus(b, 1 if k == "add" else -1)
+            if isinstance(b, _Row) and _coord(a) is not None:  # q - lp[b], pos[b, q] - lp[b]
+                return _RLin(_coord(a), b, 1 if k == "add" else -1)
+            if isinstance(a, _Row) and _coord(b) is not None and k == "add":
+                return _RLin(_coord(b), a, 1)
+            if isinstance(a, _RLin) and isinstance(b, _Lin) and not b.coefs:
+                return a.shift(b.const if k == "add" else -b.const)
             pa, pb = _as_plin(a), _as_plin(b)  # positions: pos[q] - W, pos[q] - pos[kv]
             if pa is not None and isinstance(b, _Lin) and not b.coefs:
                 return _PLin(pa.src, pa.batch, pa.coefs, pa.const + (b.const if k == "add" else -b.const))
@@ -260,6 +339,8 @@ class _Reader:
             if pa is not None and pb is not None and pa.src is pb.src and pa.batch == pb.batch:
                 return pa.plus(pb, 1 if k == "add" else -1)
             raise _Refuse(f"{k} of {type(a).__name__} and {type(b).__name__} in the mask")
+        if k == "floordiv" or (k == "div" and arg(n, "rounding_mode") == "floor"):
+            return self._floordiv(n)
         if k == "getitem":
             return self._getitem(n)
         if k in ("unsqueeze", "view", "reshape", "expand", "contiguous") or name in ("broadcast_to",):
@@ -296,6 +377,16 @@ class _Reader:
             return _Additive(p, fill)
         raise _Refuse(f"the mask is computed with {name!r}, which the recipe reader does not model")
 
+    def _floordiv(self, n: fx.Node) -> _Floor:
+        a, size = self.eval(arg(n, "input")), _int(arg(n, "other"))
+        if size is None or size <= 0:
+            raise _Refuse("a floor division of the mask's indices by something other than a positive constant")
+        if isinstance(a, _RLin):
+            return _Floor(a, size)
+        if _coord(a) is not None:
+            return _Floor(_RLin(_coord(a), None, 0), size)
+        raise _Refuse(f"a floor division of a {type(a).__name__} in the mask")
+
     def _as_pred(self, x: Any) -> _Pred:
         if isinstance(x, _Pred):
             return x
@@ -319,7 +410,7 @@ class _Reader:
             raise _Refuse("arange from a symbolic start (a KV cache offset)")
         v = _val(n)
         length = v.shape[0] if v is not None else None
-        return _Lin((("_", 1),), s0, length)
+        return _Lin((("_", 1),), s0, length, n, s0)
 
     def _place(self, x: _Lin, shape: tuple) -> Any:
         """A 1-D arange viewed into the 4-D broadcast: the one non-1 dim names its axis."""
@@ -330,7 +421,7 @@ class _Reader:
             return _Lin((), x.const)
         if len(dims) != 1 or not _same(shape[dims[0]], x.length):
             raise _Refuse("index vector placed along more than one dim")
-        return _Lin(((_AXES[dims[0]], 1),), x.const)
+        return _Lin(((_AXES[dims[0]], 1),), x.const, None, x.src, x.start)
 
     def _reshape(self, n: fx.Node) -> Any:
         x = self.eval(arg(n, "input") if op_kind(n) else n.args[0])
@@ -362,8 +453,17 @@ class _Reader:
             return x
         raise _Refuse("indexing of an unsupported value")
 
-    def _gather(self, n: fx.Node, src: fx.Node, idx: tuple) -> _Vec:
+    def _gather(self, n: fx.Node, src: fx.Node, idx: tuple) -> Any:
         sv = _val(src)
+        if sv is not None and sv.dim() == 1 and len(idx) == 1:  # a per-row integer: lp[batch_indices]
+            bi = self.eval(idx[0])
+            if sv.dtype.is_floating_point or sv.dtype == torch.bool:
+                raise _Refuse(f"a per-row {sv.dtype} value in the mask's index arithmetic")
+            if isinstance(bi, _Lin) and bi.coefs == (("b", 1),) and bi.const == 0 and _same(sv.shape[0], self.B):
+                return _Row(src, "b")
+            if isinstance(bi, _Lin) and not bi.coefs and bi.const == 0 and _same(sv.shape[0], 1):
+                return _Row(src, "0")
+            raise _Refuse("a per-row value read at another batch row")
         if sv is None or sv.dim() != 2 or len(idx) != 2:
             raise _Refuse("a gather from something other than a [B, L] per-token tensor")
         bi, ti = self.eval(idx[0]), self.eval(idx[1])
@@ -386,6 +486,13 @@ class _Reader:
 
     def _compare(self, n: fx.Node, k: str) -> _Pred:
         a, b = self.eval(arg(n, "input")), self.eval(arg(n, "other"))
+        if isinstance(a, _Floor) and isinstance(b, _Floor) and k == "eq":
+            # chunked attention: the same chunk of the same shifted coordinate along q and along kv
+            ra, rb = a.rlin, b.rlin
+            if a.size != b.size or ra.sign != rb.sign or ra.row != rb.row or not ra.coord.same_but_axis(rb.coord):
+                raise _Refuse("chunk ids of the queries and keys computed differently")
+            c = ra.coord
+            return _Pred(frozenset({("chunks", (c.kind, c.src, c.where, c.const, ra.row, ra.sign, a.size))}))
         if isinstance(a, _Lin) and isinstance(b, _Lin):
             if k in ("eq", "ne"):
                 raise _Refuse("an index equality (chunked attention?) is not a recipe the kernel has")
@@ -579,6 +686,10 @@ def read_mask_recipe(mask: fx.Node, root: fx.GraphModule, B: Any, S: Any, Skv: A
                 if _cumsum_of_bool(atom[1]) is None:
                     raise _Refuse("document ids that are not provably contiguous runs (not a cumsum of a bool)")
                 r.docs = atom[1]  # [B, S] (batch "b") or [1, S] (batch "0"): the op broadcasts either
+            elif tag == "chunks":
+                if r.chunks is not None and r.chunks != atom[1]:
+                    raise _Refuse("two different chunkings of the sequence")
+                r.chunks = atom[1]
             elif tag == "key_valid":
                 if r.key_valid is not None and r.key_valid is not atom[1]:
                     raise _Refuse("two key-padding vectors")
@@ -587,8 +698,16 @@ def read_mask_recipe(mask: fx.Node, root: fx.GraphModule, B: Any, S: Any, Skv: A
                 raise _Refuse(f"unknown atom {tag}")
         if r.window and not r.causal:
             raise _Refuse("a sliding window without causal")
+        if r.chunks is not None and r.chunks[0] == "pos":
+            # chunks of position ids rise along a row where the positions do: when they are an arange, or inside
+            # each document derived from them (the ids then combine with the documents': RecipeInputs)
+            pos = r.chunks[1]
+            if not (_is_arange(pos, S) or (r.docs is not None and _docs_from_positions(r.docs, pos))):
+                raise _Refuse("attention chunks of position ids without documents derived from the same positions")
         if r.docs is not None and not (r.causal and known_true(S == Skv)):
             raise _Refuse("packed documents without causal (or with S != Skv)")
+        if r.chunks is not None and not (r.causal and known_true(S == Skv)):
+            raise _Refuse("attention chunks without causal (or with S != Skv)")
         if not r.causal:
             raise _Refuse("a mask that is not causal (bidirectional attention keeps the mask tensor)")
         r.nodes = [n for n in home.graph.nodes if n in reader.memo]
@@ -609,21 +728,22 @@ class RecipeInputs:
 
     def vectors(self, r: MaskRecipe) -> Tuple[Optional[fx.Node], Optional[fx.Node]]:
         docs = kv = None
-        if r.docs is not None:
+        if r.docs is not None and r.chunks is None:
             key = (id(r.docs), "docs")
             if key not in self._home:
-                g = r.docs.graph
-                with g.inserting_after(r.docs):
-                    node = g.call_function(document_ranges, (r.docs,))
-                dv = node_val(r.docs)
-                if dv is not None:  # the pipeline re-propagates after the pass; body placeholders need it now
-                    try:
-                        with _fake_mode_of(dv):
-                            node.meta["val"] = document_ranges(dv)
-                        node.meta["example_value"] = node.meta["val"]
-                    except Exception:
-                        pass
-                self._home[key] = node
+                self._home[key] = _insert_after([r.docs], document_ranges, (r.docs,))
+            docs = self._home[key]
+        if r.chunks is not None:
+            kind, src, where, const, row, sign, size = r.chunks
+            key = (id(src), where, const, id(row.src) if row else None, sign, size, id(r.docs))
+            if key not in self._home:
+                rv = row.src if row is not None else None
+                shift = const - where if kind == "index" else const  # an arange from `where`; positions as they are
+                ids = _insert_after([src] + ([rv] if rv is not None else []), chunk_document_ids,
+                                    (src, rv, shift, sign, size))
+                if r.docs is not None:  # packed documents too: runs of the same document and chunk
+                    ids = _insert_after([ids, r.docs], chunk_and_document_ids, (ids, r.docs))
+                self._home[key] = _insert_after([ids], document_ranges, (ids,))
             docs = self._home[key]
         if r.key_valid is not None:
             kv = r.key_valid
@@ -701,6 +821,47 @@ def erase_dead_masks(root: fx.GraphModule, recipes: List[MaskRecipe], inputs: "R
 
 def _is_mask_operand(n: Any) -> bool:
     return isinstance(n, fx.Node) and bool(n.meta.get(_MASK_MARK))
+
+
+def chunk_document_ids(index: torch.Tensor, row: Optional[torch.Tensor], shift: int, sign: int,
+                       size: int) -> torch.Tensor:
+    """``[B|1, S]`` int64 ids ``(index[.., t] + shift + sign * row[b]) // size`` (floor): the chunk of each token,
+    as transformers' chunked mask computes it, from a ``[S]`` arange or ``[B|1, S]`` positions (``row`` the
+    left-padding count per batch row, or None). Non-decreasing along each row wherever ``index`` rises, for any
+    ``row``: each chunk is one contiguous run there, as :func:`.op.document_ranges` needs."""
+    x = index.to(torch.int64)
+    x = (x.unsqueeze(0) if x.dim() == 1 else x) + shift
+    if row is not None:
+        x = x + sign * row.to(torch.int64).reshape(-1, 1)
+    return torch.div(x, size, rounding_mode="floor")
+
+
+def chunk_and_document_ids(chunks: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` ids of the runs where both the chunk and the document stay the same: two tokens share one iff they
+    share both (each document's chunks rise along it, so a chunk never resumes inside a document)."""
+    c, d = torch.broadcast_tensors(chunks, docs.to(chunks.dtype))
+    new_chunk = torch.diff(c, dim=-1, prepend=c[..., :1]) != 0
+    new_doc = torch.diff(d, dim=-1, prepend=d[..., :1]) != 0
+    return (new_chunk | new_doc).to(torch.int64).cumsum(-1)
+
+
+def _insert_after(after: List[fx.Node], fn, args: tuple) -> fx.Node:
+    """A call of ``fn(*args)`` placed after the last of ``after`` in their graph, its fake value computed now (the
+    pipeline re-propagates after the pass; the body placeholders it may be threaded into need it at once)."""
+    g = after[0].graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    with g.inserting_after(max(after, key=order.__getitem__)):
+        node = g.call_function(fn, args)
+    vals = [node_val(a) if isinstance(a, fx.Node) else a for a in args]
+    fake = next((v for v in vals if isinstance(v, torch.Tensor)), None)
+    if fake is not None:
+        try:
+            with _fake_mode_of(fake):
+                node.meta["val"] = fn(*vals)
+            node.meta["example_value"] = node.meta["val"]
+        except Exception:
+            pass
+    return node
 
 
 class _fake_mode_of:
