@@ -22,7 +22,8 @@ Two parts, each impl in its own subprocess (a CUDA fault, an OOM or a hang loses
 
 Run (device machine, repository root, one H200):
     python3 benchmarks/bench_chunked_attention.py --parts check,layer,steps --lengths 16384,32768,65536,131072
-Rows go to $OUT/chunked.jsonl and, with --out, to benchmarks/results/<out>.json with a plot beside it.
+Rows go to $OUT/chunked.jsonl and, with --out, to benchmarks/results/<out>.json with a plot beside it; calls that
+split the impls merge with --merge a.json,b.json --out name (no GPU).
 """
 from __future__ import annotations
 
@@ -306,7 +307,16 @@ def main():
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default="")
+    ap.add_argument("--merge", default="", help="a.json,b.json: one document and plot of their rows (no GPU)")
     a = ap.parse_args()
+    if a.merge:
+        docs = [json.load(open(p)) for p in a.merge.split(",")]
+        doc = dict(docs[0], merged=a.merge.split(","), rows=[r for d in docs for r in d["rows"]],
+                   commits=[d.get("commit") for d in docs], hosts=[d.get("host") for d in docs])
+        base = os.path.join(HERE, "results", a.out)
+        with open(base + ".json", "w") as f:
+            json.dump(doc, f, indent=1)
+        return print(plot([r for r in doc["rows"] if r.get("part") == "steps"], base + ".png"))
     lengths = [int(x) for x in a.lengths.split(",") if x]
     if a.child == "check":
         return child_check()
