@@ -197,8 +197,9 @@ class MaskRecipe:
     window: int = 0
     docs: Optional[fx.Node] = None        # [B|1, S] non-decreasing document ids
     key_valid: Optional[fx.Node] = None   # [B|1, Skv] bool
-    # chunked attention: (the query arange node, its start, the index's constant, the per-row term (_Row) or None,
-    # its sign, the chunk size); RecipeInputs builds the document ids chunk_document_ids() gives from them
+    # chunked attention: (kind "index" or "pos", the arange or position vector node, the arange's start or the
+    # positions' batch, the coordinate's constant, the per-row term (_Row) or None, its sign, the chunk size);
+    # RecipeInputs builds the document ids chunk_document_ids() gives from them
     chunks: Optional[tuple] = None
     fill: Optional[float] = None          # additive masks: the value of masked entries (None: a bool mask)
     home: Optional[fx.GraphModule] = None  # the graph module where the vectors live
