@@ -178,10 +178,3 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(os.environ["FXFUSE_TEST_KERNEL_CACHE"], ignore_errors=True)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The tests marked slow first, the rest after them, each in its collected order: pytest-xdist hands tests out
-    in this order as workers free up, so a long test started last cannot keep one worker busy while the other
-    idles (README's command runs two workers; CI's wall time is the busier one's)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
