@@ -420,3 +420,34 @@ def test_row_pairs_with_more_keys_than_queries(monkeypatch, masked_rows):
                                          masked_rows=masked_rows, key_valid=valid)
             for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
                 torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=f"{pairs} {split} {name}")
+
+
+@pytest.mark.parametrize("kv_side,read", [
+    (lambda kv, C: kv // C, "causal + chunks of 4"),
+    (lambda kv, C: (kv + 1) // C, "chunk ids of the queries and keys computed differently"),  # shifted on one side
+    (lambda kv, C: kv // (C + 1), "chunk ids of the queries and keys computed differently"),  # another chunk size
+    (lambda kv, C: kv // C.sum(), "by something other than a positive constant"),  # a tensor divisor
+])
+def test_chunk_condition_is_read_only_when_both_sides_chunk_alike(kv_side, read):
+    """A chunk condition becomes the recipe only when queries and keys are cut into the same chunks; anything else
+    is refused with the reason (the attention passes then keep the mask tensor and report why)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fxfuse.attention.mask_recipe import read_mask_recipe
+
+    def build(ids, C):  # as transformers' sdpa_mask builds it, the length read from the tokens
+        q = torch.arange(ids.shape[1])[None, None, :, None]
+        kv = torch.arange(ids.shape[1])[None, None, None, :]
+        return (kv <= q) & (kv_side(kv, C) == q // C)
+
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    if "positive" in read:
+        gm = torch.fx.symbolic_trace(build)
+        FakeTensorProp(gm).propagate(ids, torch.tensor(4))
+    else:
+        gm = torch.fx.symbolic_trace(lambda ids: build(ids, 4))
+        FakeTensorProp(gm).propagate(ids)
+    mask = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    recipe, why = read_mask_recipe(mask, gm, 1, 12, 12)
+    got = recipe.describe() if recipe is not None else why
+    assert read in got, got

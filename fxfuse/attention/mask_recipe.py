@@ -50,7 +50,7 @@ from .conventions import MASKED_BELOW
 from .op import document_ranges
 
 __all__ = ["MaskRecipe", "read_mask_recipe", "RecipeInputs", "mark_mask", "erase_dead_masks", "HOPS_WITH_BODY",
-           "chunk_document_ids"]
+           "chunk_document_ids", "chunk_and_document_ids"]
 
 _AXES = ("b", "h", "q", "kv")
 # Higher-order ops whose first argument is a body GraphModule fed one-to-one by the remaining operands.
@@ -496,7 +496,8 @@ class _Reader:
             return _Pred(frozenset({("chunks", (c.kind, c.src, c.where, c.const, ra.row, ra.sign, a.size))}))
         if isinstance(a, _Lin) and isinstance(b, _Lin):
             if k in ("eq", "ne"):
-                raise _Refuse("an index equality (chunked attention?) is not a recipe the kernel has")
+                raise _Refuse("an index equality (other than chunk ids: q // C == kv // C) is not a recipe the "
+                              "kernel has")
             d = a.plus(b, -1)  # a - b  (op)  0
             # everything as  e >= 0  over integers
             e = {"ge": d, "gt": d.shift(-1), "le": _neg(d), "lt": _neg(d).shift(-1)}[k]
