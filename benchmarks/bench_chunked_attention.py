@@ -9,11 +9,16 @@ Two parts, each impl in its own subprocess (a CUDA fault, an OOM or a hang loses
           torch.compile(model, backend="fxfuse"): loss and every parameter gradient against a float64 copy of the
           model run eagerly, beside eager bf16's own distance from it (the standard: fxfuse no further than 2x
           eager's). The report's recipes at the attention sites, and how many graphs were compiled.
+  check-plain  the same model on unpadded rows (chunks tile every row: fxfuse::chunked_causal_attention), lengths
+          600, 900, 100, 1024, 700 (past, inside and at a multiple of the chunk).
+  opcheck fxfuse::chunked_causal_attention alone (cuDNN's path and the SDPA-per-piece path) against float64, beside
+          SDPA given the chunked mask in bf16 (child_opcheck).
   layer   one attention layer at the anchors' heads, chunk 8192 (child_layer).
   steps   Llama-4 Scout's widths (hidden 5120, 40 q / 8 kv heads of 128, MLP 16384, vocab 202048, chunk 8192, qk
           norm) with --layers layers (the last one full attention without RoPE, the rest chunked), dense (no MoE),
           bf16 weights, HF gradient checkpointing, batch 1, no padding, labels = ids, forward + backward (no
-          optimizer). One process per impl runs the lengths in --lengths in turn, a new length every batch as a
+          optimizer). Impl fxfuse-chunk-ids is fxfuse with the chunks' SDPA dispatch off (MEASURED_CHUNKS emptied:
+          chunked layers on fxfuse's kernel over the chunk ids, as before it). One process per impl runs the lengths in --lengths in turn, a new length every batch as a
           trainer gives them (the first compiles a static graph, the second the symbolic one every later length
           reuses): per length the first step (compile included), then --reps timed steps (CUDA events), the peak
           (torch.cuda.max_memory_allocated over the timed steps, reset before them), the loss, graphs compiled so
@@ -69,6 +74,13 @@ def recipes():
                    if r.pass_name in ("sdpa_attention", "softcap_attention")})
 
 
+def kernels():
+    import fxfuse
+
+    return sorted({f"{r.detail.get('recipe')}: {r.detail.get('kernel')}" for rep in fxfuse.reports()
+                   for r in rep.fused if r.pass_name in ("sdpa_attention", "softcap_attention")})
+
+
 def graphs_compiled():
     import torch
 
@@ -76,7 +88,9 @@ def graphs_compiled():
 
 
 # --------------------------------------------------------------------------------------------------- check
-def child_check():
+def child_check(layout="padded"):
+    """``layout`` "padded" (left and right padding: the chunk ids as documents, fxfuse's kernel) or "plain" (no
+    attention mask: chunks tile every row, fxfuse::chunked_causal_attention), lengths crossing the chunk size."""
     import torch
 
     torch.manual_seed(0)
@@ -87,13 +101,16 @@ def child_check():
     ref64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     compiled = torch.compile(model, backend="fxfuse")
     g = torch.Generator(device=dev).manual_seed(1)
-    for n in (600, 900):
+    for n in ((600, 900) if layout == "padded" else (600, 900, 100, 1024, 700)):
         ids = torch.randint(0, 1000, (2, n), device=dev, generator=g)
-        am = torch.ones(2, n, dtype=torch.long, device=dev)
-        am[0, :37] = 0
-        am[1, n - 50:] = 0
-        labels = ids.masked_fill(am == 0, -100)
-        kw = dict(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        if layout == "padded":
+            am = torch.ones(2, n, dtype=torch.long, device=dev)
+            am[0, :37] = 0
+            am[1, n - 50:] = 0
+            labels = ids.masked_fill(am == 0, -100)
+            kw = dict(input_ids=ids, attention_mask=am, labels=labels, use_cache=False)
+        else:
+            kw = dict(input_ids=ids, labels=ids.clone(), use_cache=False)
         res = {}
         for name, m in (("float64", ref64), ("eager_bf16", model), ("fxfuse", compiled)):
             target = ref64 if name == "float64" else model
@@ -110,10 +127,54 @@ def child_check():
             return abs((loss - l64).item()), worst, len(grads)
 
         (le, ge, ne), (lf, gf, nf) = dist("eager_bf16"), dist("fxfuse")
-        emit(part="check", length=n, loss_float64=round(l64.item(), 6), loss_err_eager_bf16=le, loss_err_fxfuse=lf,
+        emit(part="check", layout=layout, kernels=kernels(), length=n, loss_float64=round(l64.item(), 6), loss_err_eager_bf16=le, loss_err_fxfuse=lf,
              grad_worst_rel_err_eager_bf16=ge, grad_worst_rel_err_fxfuse=gf, grads_compared=min(ne, nf),
              within_2x_eager=bool(lf <= 2 * le + 1e-6 and gf <= 2 * ge), recipes=recipes(),
              graphs=graphs_compiled())
+
+
+# --------------------------------------------------------------------------------------------------- opcheck
+def child_opcheck():
+    """fxfuse::chunked_causal_attention on the GPU (cuDNN's path and the SDPA-per-piece path) against float64,
+    beside SDPA given the chunked bool mask in bf16 (what eager runs): out, dq, dk, dv, relative Frobenius error;
+    ragged lengths (past the chunk, one chunk or less, a multiple of it), GQA, head dims 64 and 128, two rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from fxfuse.attention import chunked
+
+    C = 128
+    for D in (64, 128):
+        for S in (300, 100, 512, 129):
+            g = torch.Generator(device="cuda").manual_seed(S + D)
+            q, k, v, do = (torch.randn(2, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                           for h in (8, 2, 2, 8))
+            t = torch.arange(S, device="cuda")
+            keep = (t[:, None] >= t[None, :]) & (t[:, None] // C == t[None, :] // C)
+
+            def grads(fn, dtype):
+                xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+                out = fn(*xs)
+                return [out.detach().double(), *(x.double() for x in torch.autograd.grad(out, xs, do.to(dtype)))]
+
+            def masked(q_, k_, v_):
+                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=keep, enable_gqa=True)
+
+            ref = grads(masked, torch.float64)
+            row = dict(part="opcheck", D=D, S=S, chunk=C)
+            for name, env in (("cudnn", "auto"), ("sdpa", "sdpa"), ("eager_bf16_mask", None)):
+                if env is not None:
+                    os.environ["FXFUSE_CHUNKED_ATTENTION_IMPL"] = env
+                    used = chunked.uses_cudnn(q, k, v)
+                    got = grads(lambda a, b, c: chunked.chunked_causal_attention(a, b, c, C), torch.bfloat16)
+                    row[f"{name}_ran_cudnn"] = used
+                else:
+                    got = grads(masked, torch.bfloat16)
+                row[name] = {w: float((a - b).norm() / b.norm()) for w, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+            os.environ.pop("FXFUSE_CHUNKED_ATTENTION_IMPL", None)
+            row["within_2x_eager"] = all(row[n][w] <= 2 * row["eager_bf16_mask"][w] + 1e-6
+                                         for n in ("cudnn", "sdpa") for w in ("out", "dq", "dk", "dv"))
+            emit(**row)
 
 
 # --------------------------------------------------------------------------------------------------- steps
@@ -126,6 +187,11 @@ def child_steps(impl, lengths, layers, reps):
         model = llama4(5120, 40, 8, 128, 16384, 202048, layers, 8192).to(torch.bfloat16).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if impl == "fxfuse":
+        fwd = torch.compile(model, backend="fxfuse")
+    elif impl == "fxfuse-chunk-ids":  # fxfuse's kernel on the chunk ids (no SDPA dispatch for chunks)
+        from fxfuse.attention import dispatch
+
+        dispatch.MEASURED_CHUNKS.clear()
         fwd = torch.compile(model, backend="fxfuse")
     elif impl == "fxfuse-mask":
         fwd = torch.compile(model, backend="fxfuse", options={"passes": {"sdpa_attention": False}})
@@ -161,7 +227,8 @@ def child_steps(impl, lengths, layers, reps):
             emit(part="steps", impl=impl, layers=layers, length=S, status="ok", step_ms=round(ms, 1),
                  tokens_per_s=round(S / ms * 1e3), peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
                  first_step_s=round(first_s, 1), loss=round(loss, 4), graphs=graphs_compiled(),
-                 build_s=round(build_s, 1), recipes=recipes() if impl.startswith("fxfuse") else None)
+                 build_s=round(build_s, 1), recipes=recipes() if impl.startswith("fxfuse") else None,
+                 kernels=kernels() if impl.startswith("fxfuse") else None)
         except Exception as e:  # noqa: BLE001  (an OOM or a fault is a row; a CUDA fault ends the process)
             oom = isinstance(e, torch.cuda.OutOfMemoryError)
             emit(part="steps", impl=impl, layers=layers, length=S, status="oom" if oom else "error", phase=phase,
@@ -184,6 +251,7 @@ def child_layer(lengths, chunk=8192):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from fxfuse.attention.chunked import chunked_causal_attention
     from fxfuse.attention.mask_recipe import chunk_document_ids
     from fxfuse.ops import document_ranges, softcap_attention
 
@@ -194,7 +262,7 @@ def child_layer(lengths, chunk=8192):
         k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
         v = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
         do = torch.randn(1, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        n = S // chunk
+        n = max(1, S // chunk)
 
         def fx_op():
             ranges = document_ranges(chunk_document_ids(torch.arange(S, device="cuda"), None, 0, 1, chunk))
@@ -205,6 +273,16 @@ def child_layer(lengths, chunk=8192):
             keep = (t[:, None] >= t[None, :]) & (t[:, None] // chunk == t[None, :] // chunk)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[None, None], enable_gqa=True)
 
+        def chunk_op():
+            return chunked_causal_attention(q, k, v, chunk)
+
+        def chunk_op_sdpa():
+            os.environ["FXFUSE_CHUNKED_ATTENTION_IMPL"] = "sdpa"
+            try:
+                return chunked_causal_attention(q, k, v, chunk)
+            finally:
+                os.environ.pop("FXFUSE_CHUNKED_ATTENTION_IMPL")
+
         def per_chunk():
             def split(x):
                 return x.view(x.shape[1], n, chunk, D).transpose(0, 1)
@@ -213,7 +291,13 @@ def child_layer(lengths, chunk=8192):
             return o.transpose(0, 1).reshape(1, Hq, S, D)
 
         ref = None
-        for name, fn in (("cudnn_per_chunk", per_chunk), ("fxfuse_chunk_ids", fx_op), ("sdpa_mask", masked)):
+        impls = [("fxfuse_chunked_op", chunk_op), ("fxfuse_chunked_op_sdpa_path", chunk_op_sdpa),
+                 ("fxfuse_chunk_ids", fx_op)]
+        if S % chunk == 0:
+            impls.insert(0, ("cudnn_per_chunk", per_chunk))
+        if os.environ.get("LAYER_MASKED") == "1":
+            impls.append(("sdpa_mask", masked))
+        for name, fn in impls:
             try:
                 def run(fn=fn):
                     q.grad = k.grad = v.grad = None
@@ -230,10 +314,10 @@ def child_layer(lengths, chunk=8192):
                 e1.record()
                 torch.cuda.synchronize()
                 ms = e0.elapsed_time(e1) / 3
-                ref = out if ref is None else ref
+                ref = out if ref is None else ref  # the first impl's output (cuDNN per chunk where it runs)
                 emit(part="layer", impl=name, length=S, chunk=chunk, ms=round(ms, 2),
                      peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                     max_abs_diff_vs_per_chunk=float((out.float() - ref.float()).abs().max()))
+                     max_abs_diff_vs_first=float((out.float() - ref.float()).abs().max()))
             except Exception as e:  # noqa: BLE001
                 emit(part="layer", impl=name, length=S, chunk=chunk, error=f"{type(e).__name__}: {str(e)[:300]}")
                 if not isinstance(e, torch.cuda.OutOfMemoryError):
@@ -297,7 +381,7 @@ def plot(rows, png):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--child", choices=["check", "steps", "layer"])
+    ap.add_argument("--child", choices=["check", "check-plain", "opcheck", "steps", "layer"])
     ap.add_argument("--impl", default="fxfuse")
     ap.add_argument("--parts", default="check,steps")
     ap.add_argument("--impls", default="fxfuse,fxfuse-mask,inductor")
@@ -320,14 +404,20 @@ def main():
     lengths = [int(x) for x in a.lengths.split(",") if x]
     if a.child == "check":
         return child_check()
+    if a.child == "check-plain":
+        return child_check("plain")
+    if a.child == "opcheck":
+        return child_opcheck()
     if a.child == "steps":
         return child_steps(a.impl, lengths, a.layers, a.reps)
     if a.child == "layer":
         return child_layer(lengths)
     start = sum(1 for _ in open(ROWS)) if os.path.exists(ROWS) else 0
     runs = []
-    if "check" in a.parts:
-        runs.append(("check", run_child(["--child", "check"], a.timeout)))
+    parts = a.parts.split(",")
+    for part in ("check", "check-plain", "opcheck"):
+        if part in parts:
+            runs.append((part, run_child(["--child", part], a.timeout)))
     if "layer" in a.parts:
         runs.append(("layer", run_child(["--child", "layer", "--lengths", a.layer_lengths], a.timeout)))
     if "steps" in a.parts:

@@ -47,8 +47,10 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.fx as fx
 
+import fxfuse.attention.chunked  # noqa: F401  (registers torch.ops.fxfuse.chunked_causal_attention)
 import fxfuse.attention.op  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
 from fxfuse.attention.conventions import DTYPES
+from fxfuse.attention.dispatch import KernelChoice, choose_kernel, sdpa_expressible
 from fxfuse.attention.mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
 from fxfuse.attention.matching import head_dim_pads, known_number, pad_head_dims, slice_head_dim, unrepeat_kv
 from fxfuse.attention.sdpa_call import SDPA_TARGETS, causal_sdpa, sdpa_arg
@@ -141,13 +143,31 @@ def _match(n: fx.Node) -> Tuple[Optional[dict], str]:
                 cast_to=cast_to, pads=pads, v_head_dim=vv.shape[3], shape=(B, S, kv.shape[2])), ""
 
 
+def _chunks_choice(m: dict, recipe, mode: str) -> Optional[KernelChoice]:
+    """For a recipe of causal attention inside chunks from each row's start: SDPA on the chunks as a batch or
+    fxfuse's kernel on the chunk ids (see fxfuse.attention.dispatch); None for any other recipe."""
+    size = recipe.chunk_tiling if recipe is not None else None
+    if not size:
+        return None
+    qv = node_val(m["q"])
+    B, S, Skv = m["shape"]
+    ok, why = sdpa_expressible(softcap=0.0, causal=True, window=0, has_mask=False, has_docs=False,
+                               has_key_valid=False, sinks=False, head_dim_pads=tuple(m["pads"]),
+                               same_length=known_true(S == Skv), chunks=size)
+    head_dim = qv.shape[-1]
+    return choose_kernel(mode, qv.device, m["cast_to"] or qv.dtype, head_dim if isinstance(head_dim, int) else -1,
+                         ok, why, chunks=size)
+
+
 @register_pass(name=NAME,
                description="scaled_dot_product_attention with a bool mask tensor (packed / padded / dynamic-length "
                            "batches): the mask read from its recipe -> is_causal=True or fxfuse::softcap_attention "
                            "with no S x S tensor; other masks -> the op with the mask tensor, empty tiles skipped",
-               options={"kernel": {"choices": ("auto", "fxfuse"), "default": "auto",
+               options={"kernel": {"choices": ("auto", "fxfuse", "sdpa"), "default": "auto",
                                    "doc": "auto: plain causal recipes run SDPA's causal kernels (measured faster), "
-                                          "the rest fxfuse's; fxfuse: fxfuse's kernel for plain causal too"}})
+                                          "chunked ones SDPA on the chunks where measured faster, the rest "
+                                          "fxfuse's; fxfuse: fxfuse's kernel for plain causal and chunks too; "
+                                          "sdpa: SDPA for chunked recipes wherever it can run them"}})
 def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
     count = 0
     inputs, recipes = RecipeInputs(), []
@@ -163,6 +183,31 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                     ctx.skipped(n, "SDPA with a mask", why)
                 continue
             recipe, no_recipe = read_mask_recipe(m["mask"], gm, *m["shape"], kind="bool")
+            choice = _chunks_choice(m, recipe, ctx.choice_option("kernel"))
+            if choice is not None and choice.kernel == "sdpa":
+                # causal inside chunks from each row's start (Llama-4): SDPA's causal kernels on the chunks
+                with g.inserting_before(n):
+                    q, k, v = m["q"], m["k"], m["v"]  # k / v: the kv heads before repeat_kv (the op takes GQA)
+                    if m["cast_to"] is not None:  # autocast: SDPA's own casts, explicit
+                        q, k, v = (g.call_method("to", (t, m["cast_to"])) for t in (q, k, v))
+                        for t in (q, k, v):
+                            copy_node_meta(t, n)
+                    node = g.call_function(torch.ops.fxfuse.chunked_causal_attention.default,
+                                           (q, k, v, recipe.chunk_tiling, m["scale"]))
+                    new = g.call_function(operator.getitem, (node, 0))
+                copy_node_meta(node, n)
+                copy_node_meta(new, n)
+                n.replace_all_uses_with(new)
+                g.erase_node(n)
+                erase_unused(g, m["repeat_nodes"])
+                mark_mask(recipe)
+                recipes.append(recipe)
+                ctx.fused(node, f"SDPA with a chunked causal mask tensor -> fxfuse::chunked_causal_attention: SDPA's "
+                                f"causal kernels on the chunks as a batch (mask read from its recipe, GQA "
+                                f"{m['n_rep']}:1)", recipe=recipe.describe(), kernel="sdpa",
+                          kernel_reason=choice.reason, n_rep=m["n_rep"])
+                changed += 1
+                continue
             if recipe is not None and recipe.plain_causal and ctx.choice_option("kernel") != "fxfuse":
                 # a causal mask at any length (HF materialises it at symbolic lengths): SDPA's own causal kernels
                 new = causal_sdpa(g, n)
@@ -202,6 +247,11 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                 mark_mask(recipe)
                 recipes.append(recipe)
             mv = node_val(m["mask"])
+            reason = "SDPA would need the mask tensor"
+            if recipe is not None and recipe.plain_causal:
+                reason = "kernel='fxfuse' requested"
+            elif choice is not None:
+                reason = choice.reason
             pad_note = (f", head dims q/k +{m['pads'][0]} v +{m['pads'][1]} zero columns" if any(m["pads"]) else "")
             how = f"mask recipe {recipe.describe()}" if recipe is not None else "mask tensor"
             ctx.fused(node, f"SDPA with a bool mask -> fused attention ({how}, GQA {m['n_rep']}:1, "
@@ -210,9 +260,7 @@ def sdpa_attention_pass(gm: fx.GraphModule, ctx) -> int:
                       mask_tensor_kept=None if recipe is not None else no_recipe,
                       mask_shape=[str(s) for s in mv.shape], n_rep=m["n_rep"], masked_rows="zeros",
                       autocast_dtype=str(m["cast_to"]) if m["cast_to"] is not None else None,
-                      erased=[e.name for e in erased], kernel="fxfuse",
-                      kernel_reason=("kernel='fxfuse' requested" if recipe is not None and recipe.plain_causal
-                                     else "SDPA would need the mask tensor"))
+                      erased=[e.name for e in erased], kernel="fxfuse", kernel_reason=reason)
             changed += 1
         if changed:
             mod.recompile()

@@ -62,6 +62,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+import fxfuse.attention.chunked  # noqa: F401  (registers torch.ops.fxfuse.chunked_causal_attention)
 import fxfuse.attention.op  # noqa: F401  (registers torch.ops.fxfuse.softcap_attention)
 from fxfuse.attention.dispatch import KERNELS, choose_kernel, sdpa_expressible
 from fxfuse.attention.mask_recipe import RecipeInputs, erase_dead_masks, mark_mask, read_mask_recipe
@@ -97,7 +98,8 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=N
         causal, window, masked_rows, doc_ranges, key_valid = False, 0, site.masked_rows, None, None
         if recipe is not None:  # the mask from its recipe: nothing of size S x Skv reaches the op
             mask, causal, window = None, True, recipe.window
-            doc_ranges, key_valid = inputs.vectors(recipe)
+            if choice.kernel != "sdpa":  # SDPA runs plain causal and chunk tilings from their sizes alone
+                doc_ranges, key_valid = inputs.vectors(recipe)
             if recipe.fill is not None:  # additive: a -inf fill gives eager's NaN rows, a finite one uniform rows
                 masked_rows = 2 if recipe.fill == float("-inf") else 1
         if mask is not None and site.mask_negate:
@@ -116,7 +118,12 @@ def _rewrite(gm: fx.GraphModule, site: AttentionSite, ctx, recipe=None, inputs=N
                 copy_node_meta(t, site.qk)
             q, k, v = parts[:3]
             mask = parts[3] if mask is not None else None
-        if choice.kernel == "sdpa":  # torch's kernel measured faster for this recipe (fxfuse.attention.dispatch)
+        tiling = recipe.chunk_tiling if recipe is not None else None
+        if choice.kernel == "sdpa" and tiling:  # causal inside chunks: SDPA on the chunks as a batch
+            node = g.call_function(torch.ops.fxfuse.chunked_causal_attention.default, (q, k, v, tiling, site.scaling))
+            out = g.call_function(operator.getitem, (node, 0))
+            copy_node_meta(out, site.qk)
+        elif choice.kernel == "sdpa":  # torch's kernel measured faster for this recipe (fxfuse.attention.dispatch)
             node = out = g.call_function(F.scaled_dot_product_attention, (q, k, v, None, 0.0, causal),
                                          {"scale": site.scaling, "enable_gqa": site.n_rep > 1})
         else:
@@ -137,17 +144,18 @@ def _kernel_choice(site: AttentionSite, recipe, mode: str):
     """fxfuse's kernel or torch's SDPA for this site (see fxfuse.attention.dispatch)."""
     qv, kv = node_val(site.q), node_val(site.k if site.k is not None else site.k_t)
     skv = kv.shape[2] if site.k is not None else kv.shape[3]
+    tiling = recipe.chunk_tiling if recipe is not None else None
     if site.mask is not None and recipe is None:
         ok, why = False, "a mask tensor the recipe reader could not prove"
     else:
-        plain = recipe is None or recipe.plain_causal
+        plain = recipe is None or recipe.plain_causal or bool(tiling)
         ok, why = sdpa_expressible(
             softcap=site.softcap, causal=recipe is not None, window=recipe.window if recipe is not None else 0,
             has_mask=False, has_docs=not plain, has_key_valid=not plain, sinks=site.sinks is not None,
-            head_dim_pads=tuple(site.pads), same_length=known_true(qv.shape[2] == skv))
+            head_dim_pads=tuple(site.pads), same_length=known_true(qv.shape[2] == skv), chunks=tiling or 0)
     head_dim = qv.shape[-1]
     return choose_kernel(mode, qv.device, site.cast_to or qv.dtype, head_dim if isinstance(head_dim, int) else -1,
-                         ok, why, causal=recipe is not None)
+                         ok, why, causal=recipe is not None, chunks=(tiling or 0) if ok else 0)
 
 
 @register_pass(name=NAME,
@@ -202,7 +210,9 @@ def softcap_attention_pass(gm: fx.GraphModule, ctx) -> int:
                   + f", GQA {site.n_rep}:1"
                   + (", attention sinks" if site.sinks is not None else "")
                   + (f", head dims q/k +{site.pads[0]} v +{site.pads[1]} zero columns" if any(site.pads) else "")
-                  + (", run by SDPA: measured faster" if choice.kernel == "sdpa" else "")
+                  + ((", run by fxfuse::chunked_causal_attention (SDPA on the chunks as a batch)"
+                      if recipe is not None and recipe.chunk_tiling else ", run by SDPA")
+                     if choice.kernel == "sdpa" else "")
                   + ")")
             ctx.fused(node, op, saved_bytes=saved, **detail)
             changed += 1

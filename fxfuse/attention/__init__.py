@@ -20,12 +20,18 @@ The flow, one concern per module::
       |                  launching.py  tile configs and fallbacks, kernel-variant switches, shared arguments
       +--> reference.py  the float64 reference and the blockwise PyTorch path (CPU / no Triton)
 
+    chunked.py       fxfuse::chunked_causal_attention: causal attention inside fixed-size chunks (Llama-4), run by
+                     SDPA's causal kernels (cuDNN's forward and backward on the GPU) on the chunks as a batch, for
+                     recipes whose chunks tile every row from its start (MaskRecipe.chunk_tiling)
+
     conventions.py   what all of the above agree on, defined once: the op's names, the masked-value threshold
                      (MASKED_BELOW), the masked_rows codes, the dtypes and largest head_dim
 
 The passes import from here only public names. This package's ``__init__`` imports only the op (which registers
-``torch.ops.fxfuse.softcap_attention`` and its backward); ``fxfuse.ops`` re-exports the same two functions.
+``torch.ops.fxfuse.softcap_attention`` and its backward) and the chunked op; ``fxfuse.ops`` re-exports the
+same functions.
 """
+from .chunked import chunked_causal_attention
 from .op import document_ranges, softcap_attention
 
-__all__ = ["softcap_attention", "document_ranges"]
+__all__ = ["softcap_attention", "document_ranges", "chunked_causal_attention"]

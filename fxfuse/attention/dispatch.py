@@ -4,8 +4,9 @@
 torch's kernels handle only part of what the op does: no tanh softcap, no sliding window, no packed documents or
 key padding without an S x Skv mask, no attention sinks, and ``is_causal`` aligned top-left (the op aligns
 bottom-right; they agree only when S == Skv). Where a site's recipe is one torch handles with the same numerical
-contract (plain causal with S == Skv, or no mask at all: no fully masked rows either way), the faster kernel on
-the GPU in hand runs it. "Faster" is what was measured side by side on the card (:data:`MEASURED`), not a guess:
+contract (plain causal with S == Skv, or no mask at all: no fully masked rows either way; or causal inside
+fixed-size chunks from each row's start, Llama-4's chunked layers, which SDPA runs as a batch of chunks:
+:mod:`.chunked`), the faster kernel on the GPU in hand runs it. "Faster" is what was measured side by side on the card (:data:`MEASURED`), not a guess:
 a GPU or head dim with no measurement keeps fxfuse's kernel, and the fusion report says which kernel ran at each
 site and why (``kernel``, ``kernel_reason``).
 
@@ -21,7 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["KERNELS", "MEASURED", "KernelChoice", "sdpa_expressible", "choose_kernel"]
+__all__ = ["KERNELS", "MEASURED", "MEASURED_CHUNKS", "KernelChoice", "sdpa_expressible", "choose_kernel"]
 
 KERNELS = ("auto", "fxfuse", "sdpa")
 
@@ -34,6 +35,14 @@ MEASURED = {
 }
 
 
+# The same for causal attention inside chunks (bf16, 32 q / 8 kv heads, chunks of 8192, 64k tokens, forward +
+# backward): cuDNN's causal SDPA on the chunks as a batch against fxfuse's kernel on the chunk ids as documents.
+# sm_90: H200, torch 2.11, triton 3.6.
+MEASURED_CHUNKS = {
+    ((9, 0), 128): (27.2, 39.4, "benchmarks/results/h200-chunked-attention-2026-11-28.json"),
+}
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     kernel: str  # "fxfuse" | "sdpa"
@@ -42,8 +51,12 @@ class KernelChoice:
 
 def sdpa_expressible(*, softcap: float, causal: bool, window: int, has_mask: bool, has_docs: bool,
                      has_key_valid: bool, sinks: bool, head_dim_pads: Tuple[int, int],
-                     same_length: bool) -> Tuple[bool, str]:
-    """Can ``scaled_dot_product_attention`` (no mask tensor) compute this site with the op's contract?"""
+                     same_length: bool, chunks: int = 0) -> Tuple[bool, str]:
+    """Can ``scaled_dot_product_attention`` (no mask tensor) compute this site with the op's contract? ``chunks``:
+    the recipe's chunk tiling (``MaskRecipe.chunk_tiling``), run as SDPA calls on the chunks; its chunk ids are
+    then not counted as documents."""
+    if chunks and not (causal and same_length):
+        return False, "attention chunks without causal (or with S != Skv)"
     if softcap:
         return False, "tanh softcap (SDPA has none)"
     if sinks:
@@ -69,10 +82,12 @@ def _cudnn_sdpa_usable() -> bool:
 
 
 def choose_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim: int, expressible: bool, why_not: str,
-                  capability: Optional[Tuple[int, int]] = None, causal: bool = True) -> KernelChoice:
+                  capability: Optional[Tuple[int, int]] = None, causal: bool = True,
+                  chunks: int = 0) -> KernelChoice:
     """The kernel for a site. ``mode``: "auto" (the measured faster one), "fxfuse", "sdpa" (where expressible).
     ``capability`` defaults to the device's (tests pass one). :data:`MEASURED` holds causal layers: "auto" keeps
-    fxfuse's kernel for a site without a causal mask (unmeasured)."""
+    fxfuse's kernel for a site without a causal mask (unmeasured). A chunked site (``chunks``, the chunk size) is
+    decided by :data:`MEASURED_CHUNKS`."""
     if mode not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {mode!r}")
     if mode == "fxfuse":
@@ -89,14 +104,15 @@ def choose_kernel(mode: str, device: torch.device, dtype: torch.dtype, head_dim:
         return KernelChoice("fxfuse", "no causal mask: measured only for causal layers")
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
-    m = MEASURED.get((tuple(capability), int(head_dim)))
+    m = (MEASURED_CHUNKS if chunks else MEASURED).get((tuple(capability), int(head_dim)))
+    what = f"causal in chunks of {chunks}, as a batch of chunks" if chunks else "plain causal layer"
     if m is None:
         return KernelChoice("fxfuse", f"no side-by-side measurement for sm_{capability[0]}{capability[1]} at "
-                                      f"head_dim {head_dim}: fxfuse's kernel kept")
+                                      f"head_dim {head_dim} ({what}): fxfuse's kernel kept")
     if not _cudnn_sdpa_usable():
         return KernelChoice("fxfuse", "cuDNN SDPA is disabled or unavailable here (the measured SDPA kernel)")
     sdpa_ms, ours_ms, where = m
     if sdpa_ms < ours_ms:
         return KernelChoice("sdpa", f"SDPA (cuDNN) measured faster here: {sdpa_ms} vs fxfuse {ours_ms} ms "
-                                    f"(plain causal layer, 32k tokens, head_dim {head_dim}; {where})")
+                                    f"({what}, {'64k' if chunks else '32k'} tokens, head_dim {head_dim}; {where})")
     return KernelChoice("fxfuse", f"fxfuse measured faster here: {ours_ms} vs SDPA {sdpa_ms} ms ({where})")

@@ -201,6 +201,9 @@ class MaskRecipe:
     # positions' batch, the coordinate's constant, the per-row term (_Row) or None, its sign, the chunk size);
     # RecipeInputs builds the document ids chunk_document_ids() gives from them
     chunks: Optional[tuple] = None
+    # the chunk of token t is (t + chunk_shift) // C in every row (no per-row term, no documents, positions an
+    # arange or indices): what lets SDPA run whole chunks as a batch (:attr:`chunk_tiling`); None otherwise
+    chunk_shift: Optional[int] = None
     fill: Optional[float] = None          # additive masks: the value of masked entries (None: a bool mask)
     home: Optional[fx.GraphModule] = None  # the graph module where the vectors live
     route: List[Tuple[fx.Node, fx.GraphModule]] = field(default_factory=list)  # (HOP call, body) home -> site
@@ -223,6 +226,18 @@ class MaskRecipe:
     def plain_causal(self) -> bool:
         return self.causal and not self.window and self.docs is None and self.chunks is None and \
             self.key_valid is None
+
+    @property
+    def chunk_tiling(self) -> Optional[int]:
+        """The chunk size ``C`` when the recipe is causal attention inside chunks ``[0, C), [C, 2C), ...`` of every
+        row and nothing else (no window, documents, key padding or per-row shift): causal attention over a batch of
+        C-token sequences and a last one of 1..C tokens, which SDPA's causal kernels run
+        (:mod:`.chunked`). None for any other recipe."""
+        if not (self.causal and self.chunks is not None and self.chunk_shift is not None) or self.window \
+                or self.docs is not None or self.key_valid is not None:
+            return None
+        size = self.chunks[-1]
+        return size if self.chunk_shift % size == 0 else None
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -276,6 +291,16 @@ def _is_zero_tensor(n: Any) -> bool:
             return True
         return name == "tensor" and len(n.args) == 1 and const_number(n.args[0]) == 0.0  # torch.tensor(0.0)
     return False
+
+
+def _no_row_term(row: Optional[_Row]) -> bool:
+    """No per-row term, or one built as zeros (transformers' left-padding count when no attention mask is given)."""
+    if row is None:
+        return True
+    n = row.src
+    while isinstance(n, fx.Node) and op_kind(n) in ("cast", "view", "reshape", "contiguous", "expand"):
+        n = arg(n, "input")
+    return _is_zero_tensor(n)
 
 
 # ---------------------------------------------------------------------------------- the interpreter
@@ -576,14 +601,21 @@ def _docs_from_positions(d: fx.Node, pos: fx.Node) -> bool:
 
 def _is_arange(pos: fx.Node, S: Any) -> bool:
     """Are these positions ``arange(S) + c`` (HF's default when no position ids are passed), broadcast?"""
+    return _arange_start(pos, S) is not None
+
+
+def _arange_start(pos: fx.Node, S: Any) -> Optional[int]:
+    """``c`` when these positions are ``arange(S) + c`` broadcast, else None."""
     n = pos
     while isinstance(n, fx.Node) and op_kind(n) in ("expand", "contiguous", "unsqueeze", "cast", "view", "reshape"):
         n = arg(n, "input")
     try:
         x = _Reader(None, S, S).eval(n)
     except _Refuse:
-        return False
-    return isinstance(x, _Lin) and x.coefs == (("_", 1),) and _same(x.length, S)
+        return None
+    if isinstance(x, _Lin) and x.coefs == (("_", 1),) and _same(x.length, S):
+        return x.const
+    return None
 
 
 # ------------------------------------------------------------------------------------- subgraphs
@@ -704,8 +736,13 @@ def read_mask_recipe(mask: fx.Node, root: fx.GraphModule, B: Any, S: Any, Skv: A
             # chunks of position ids rise along a row where the positions do: when they are an arange, or inside
             # each document derived from them (the ids then combine with the documents': RecipeInputs)
             pos = r.chunks[1]
-            if not (_is_arange(pos, S) or (r.docs is not None and _docs_from_positions(r.docs, pos))):
+            start = _arange_start(pos, S)
+            if not (start is not None or (r.docs is not None and _docs_from_positions(r.docs, pos))):
                 raise _Refuse("attention chunks of position ids without documents derived from the same positions")
+            if start is not None and _no_row_term(r.chunks[4]):  # positions t + start: chunk (t + start + c) // C
+                r.chunk_shift = start + r.chunks[3]
+        elif r.chunks is not None and _no_row_term(r.chunks[4]):  # an index t + c: chunk (t + c) // C
+            r.chunk_shift = r.chunks[3]
         if r.docs is not None and not (r.causal and known_true(S == Skv)):
             raise _Refuse("packed documents without causal (or with S != Skv)")
         if r.chunks is not None and not (r.causal and known_true(S == Skv)):
