@@ -22,8 +22,8 @@ so one graph serves every length, and nothing of size S x S exists anywhere.
 
 Dispatch: CUDA, bf16 / fp16, equal head dims <= 128 (a multiple of 8) and cuDNN's SDPA enabled -> cuDNN's fused
 attention forward and backward (``aten._scaled_dot_product_cudnn_attention[_backward]``, which take the kv heads
-of GQA as they are); anything else -> ``scaled_dot_product_attention`` per piece, whose backward recomputes the
-piece's forward under autograd (one more forward). ``FXFUSE_CHUNKED_ATTENTION_IMPL=sdpa`` forces the second path.
+of GQA as they are); anything else -> ``scaled_dot_product_attention`` per piece on dense tensors, kv heads
+repeated, whose backward recomputes the piece's forward under autograd (one more forward). ``FXFUSE_CHUNKED_ATTENTION_IMPL=sdpa`` forces the second path.
 """
 from __future__ import annotations
 
@@ -127,6 +127,15 @@ def _no_dropout_seeds(device: torch.device) -> Tuple[Tensor, Tensor]:
     return _EMPTY_SEEDS[device]
 
 
+def _sdpa_piece(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """The path without cuDNN: SDPA on dense pieces, the kv heads repeated for GQA (the fused kernels' own GQA
+    support varies by backend and dtype; this path is the fallback, kept to the plainest call)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True, scale=scale)
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> Tuple[Tensor, Tensor]:
     _check(q, k, v, size)
     B, H, S, _ = q.shape
@@ -139,8 +148,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> T
                                                                         scale=scale)[:2]
             lses.append(_unpiece(lse.reshape(B * n, H, length), B, n))
         else:
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                               enable_gqa=qp.shape[1] != kp.shape[1])
+            o = _sdpa_piece(qp, kp, vp, scale)
         outs.append(_unpiece(o, B, n))
     lse = _join(lses) if cudnn else q.new_empty((B, H, S), dtype=torch.float32)
     return _join(outs), lse
@@ -162,10 +170,9 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                 dop, qp, kp, vp, op_, lp, seed, offset, None, None, None, length, length, 0.0, True, scale=scale)
         else:  # recompute the piece's forward under autograd
             with torch.enable_grad():
-                leaves = [t.detach().requires_grad_() for t in (qp, kp, vp)]
-                o = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale,
-                                                   enable_gqa=qp.shape[1] != kp.shape[1])
-                dq, dk, dv = torch.autograd.grad(o, leaves, dop)
+                leaves = [t.detach().contiguous().requires_grad_() for t in (qp, kp, vp)]
+                o = _sdpa_piece(*leaves, scale)
+                dq, dk, dv = torch.autograd.grad(o, leaves, dop.contiguous())
         for acc, g in zip(grads, (dq, dk, dv)):
             acc.append(_unpiece(g, B, n))
     return tuple(_join(g) for g in grads)
