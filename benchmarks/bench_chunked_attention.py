@@ -146,15 +146,20 @@ def child_opcheck():
     from fxfuse.attention import chunked
 
     C = 128
-    for D in (64, 128):
-        for S in (300, 100, 512, 129):
+    for D, S, layout in [(64, S, "bhsd") for S in (300, 100, 512, 129)] + \
+            [(128, S, lay) for S in (300, 100, 129) for lay in ("bhsd", "bshd")]:
+        if True:
             g = torch.Generator(device="cuda").manual_seed(S + D)
-            q, k, v, do = (torch.randn(2, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
-                           for h in (8, 2, 2, 8))
+            if layout == "bshd":  # HF's layout: [B, S, H, D] projections transposed to [B, H, S, D] views
+                q, k, v, do = (torch.randn(2, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                               .transpose(1, 2) for h in (8, 2, 2, 8))
+            else:
+                q, k, v, do = (torch.randn(2, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                               for h in (8, 2, 2, 8))
             t = torch.arange(S, device="cuda")
             keep = (t[:, None] >= t[None, :]) & (t[:, None] // C == t[None, :] // C)
 
-            def grads(fn, dtype):
+            def grads(fn, dtype):  # (the layout kept: .to() of another dtype preserves strides)
                 xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
                 out = fn(*xs)
                 return [out.detach().double(), *(x.double() for x in torch.autograd.grad(out, xs, do.to(dtype)))]
@@ -163,7 +168,7 @@ def child_opcheck():
                 return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=keep, enable_gqa=True)
 
             ref = grads(masked, torch.float64)
-            row = dict(part="opcheck", D=D, S=S, chunk=C)
+            row = dict(part="opcheck", D=D, S=S, chunk=C, layout=layout)
             for name, env, dtype in (("cudnn", "auto", torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
                                      ("eager_bf16_mask", None, torch.bfloat16), ("fp32", "auto", torch.float32),
                                      ("eager_fp32_mask", None, torch.float32)):

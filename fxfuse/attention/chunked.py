@@ -11,7 +11,7 @@ What a graph pass inserts (the op returns ``(out, lse)``; take element 0)::
     size  int                      the chunk size C: token t attends to keys t' <= t with t' // C == t // C
     scale float                    the factor applied to q @ k^T
     ->  out [B, Hq, S, D] contiguous, q.dtype;  lse [B, Hq, S] fp32 (cuDNN's log-sum-exp where cuDNN ran, for the
-        backward; unspecified on the other path, whose backward recomputes)
+        backward; zeros on the other path, whose backward recomputes)
 
 Why an op rather than the same SDPA calls in the graph: how a row splits into chunks depends on its length. The
 whole chunks before the last run as one batch of C-token sequences and the last chunk (1 to C tokens) as a second
@@ -136,6 +136,12 @@ def _sdpa_piece(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True, scale=scale)
 
 
+def _cudnn_piece(cudnn: bool, length: int) -> bool:
+    """cuDNN runs a piece of more than one token (its fused attention refuses s_q = s_kv = 1: a row of one token
+    past a multiple of the chunk size leaves such a last chunk, which the SDPA path runs)."""
+    return cudnn and length > 1
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> Tuple[Tensor, Tensor]:
     _check(q, k, v, size)
     B, H, S, _ = q.shape
@@ -143,15 +149,18 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> T
     outs, lses = [], []
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp = (_piece(t, start, n, length) for t in (q, k, v))
-        if cudnn:
-            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(qp, kp, vp, None, True, 0.0, True, False,
-                                                                        scale=scale)[:2]
-            lses.append(_unpiece(lse.reshape(B * n, H, length), B, n))
+        if _cudnn_piece(cudnn, length):
+            # dense [B * n, H, L, D] operands, so the forward and the backward below see one layout (the backward
+            # gets out, dout and lse in that layout, whatever strides the graph gave q / k / v and dout)
+            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qp.contiguous(), kp.contiguous(), vp.contiguous(), None, True, 0.0, True, False, scale=scale)[:2]
+            lse = lse.reshape(B * n, H, length)
         else:
             o = _sdpa_piece(qp, kp, vp, scale)
+            lse = o.new_zeros((B * n, H, length), dtype=torch.float32)  # not read: that backward recomputes
         outs.append(_unpiece(o, B, n))
-    lse = _join(lses) if cudnn else q.new_empty((B, H, S), dtype=torch.float32)
-    return _join(outs), lse
+        lses.append(_unpiece(lse, B, n))
+    return _join(outs), _join(lses)
 
 
 def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, size: int,
@@ -161,13 +170,14 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     grads = ([], [], [])
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp, dop = (_piece(t, start, n, length) for t in (q, k, v, dout))
-        if cudnn:
-            op_ = _piece(out, start, n, length)
+        if _cudnn_piece(cudnn, length):
+            op_ = _piece(out, start, n, length).contiguous()
             lp = lse[:, :, start:start + n * length].reshape(B, H, n, length).transpose(1, 2)
-            lp = lp.reshape(B * n, H, length, 1)
+            lp = lp.reshape(B * n, H, length, 1).contiguous()
             seed, offset = _no_dropout_seeds(q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dop, qp, kp, vp, op_, lp, seed, offset, None, None, None, length, length, 0.0, True, scale=scale)
+                dop.contiguous(), qp.contiguous(), kp.contiguous(), vp.contiguous(), op_, lp, seed, offset, None,
+                None, None, length, length, 0.0, True, scale=scale)
         else:  # recompute the piece's forward under autograd
             with torch.enable_grad():
                 leaves = [t.detach().contiguous().requires_grad_() for t in (qp, kp, vp)]
