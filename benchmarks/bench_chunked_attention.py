@@ -146,15 +146,15 @@ def child_opcheck():
     from fxfuse.attention import chunked
 
     C = 128
-    for D, S, layout in [(64, S, "bhsd") for S in (300, 100, 512, 129)] + \
-            [(128, S, lay) for S in (300, 100, 129) for lay in ("bhsd", "bshd")]:
+    for D, S, layout, B in [(64, S, "bhsd", 2) for S in (300, 100, 512, 129)] + \
+            [(128, S, lay, B) for S in (300, 100, 129) for lay in ("bhsd", "bshd") for B in (1, 2)]:
         if True:
             g = torch.Generator(device="cuda").manual_seed(S + D)
             if layout == "bshd":  # HF's layout: [B, S, H, D] projections transposed to [B, H, S, D] views
-                q, k, v, do = (torch.randn(2, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                q, k, v, do = (torch.randn(B, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
                                .transpose(1, 2) for h in (8, 2, 2, 8))
             else:
-                q, k, v, do = (torch.randn(2, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                q, k, v, do = (torch.randn(B, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
                                for h in (8, 2, 2, 8))
             t = torch.arange(S, device="cuda")
             keep = (t[:, None] >= t[None, :]) & (t[:, None] // C == t[None, :] // C)
@@ -168,7 +168,7 @@ def child_opcheck():
                 return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=keep, enable_gqa=True)
 
             ref = grads(masked, torch.float64)
-            row = dict(part="opcheck", D=D, S=S, chunk=C, layout=layout)
+            row = dict(part="opcheck", D=D, S=S, chunk=C, layout=layout, B=B)
             for name, env, dtype in (("cudnn", "auto", torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
                                      ("eager_bf16_mask", None, torch.bfloat16), ("fp32", "auto", torch.float32),
                                      ("eager_fp32_mask", None, torch.float32)):

@@ -136,6 +136,15 @@ def _sdpa_piece(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True, scale=scale)
 
 
+def _dense(t: Tensor) -> Tensor:
+    """``t`` as a contiguous [B, H, S, D] tensor (itself when it is one). cuDNN's path cuts its pieces from these, so
+    q, k, v, out and dout of a piece share one stride pattern: cuDNN's backward gave wrong gradients on the H200
+    when q arrived in HF's [B, S, H, D]-strided layout and out / dout in another (found by the bench's check at a
+    row inside one chunk). Already contiguous inputs (the usual case at long context, B = 1) cost no copy: their
+    pieces are views."""
+    return t.contiguous()
+
+
 def _cudnn_piece(cudnn: bool, length: int) -> bool:
     """cuDNN runs a piece of more than one token (its fused attention refuses s_q = s_kv = 1: a row of one token
     past a multiple of the chunk size leaves such a last chunk, which the SDPA path runs)."""
@@ -146,14 +155,14 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> T
     _check(q, k, v, size)
     B, H, S, _ = q.shape
     cudnn = uses_cudnn(q, k, v)
+    if cudnn:  # one layout for every operand of a piece, forward and backward (see _dense)
+        q, k, v = _dense(q), _dense(k), _dense(v)
     outs, lses = [], []
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp = (_piece(t, start, n, length) for t in (q, k, v))
         if _cudnn_piece(cudnn, length):
-            # dense [B * n, H, L, D] operands, so the forward and the backward below see one layout (the backward
-            # gets out, dout and lse in that layout, whatever strides the graph gave q / k / v and dout)
             o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qp.contiguous(), kp.contiguous(), vp.contiguous(), None, True, 0.0, True, False, scale=scale)[:2]
+                qp, kp, vp, None, True, 0.0, True, False, scale=scale)[:2]
             lse = lse.reshape(B * n, H, length)
         else:
             o = _sdpa_piece(qp, kp, vp, scale)
@@ -167,17 +176,18 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     B, H, S, _ = q.shape
     cudnn = uses_cudnn(q, k, v)
+    if cudnn:
+        q, k, v, out, dout = (_dense(t) for t in (q, k, v, out, dout))
     grads = ([], [], [])
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp, dop = (_piece(t, start, n, length) for t in (q, k, v, dout))
         if _cudnn_piece(cudnn, length):
-            op_ = _piece(out, start, n, length).contiguous()
+            op_ = _piece(out, start, n, length)
             lp = lse[:, :, start:start + n * length].reshape(B, H, n, length).transpose(1, 2)
             lp = lp.reshape(B * n, H, length, 1).contiguous()
             seed, offset = _no_dropout_seeds(q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dop.contiguous(), qp.contiguous(), kp.contiguous(), vp.contiguous(), op_, lp, seed, offset, None,
-                None, None, length, length, 0.0, True, scale=scale)
+                dop, qp, kp, vp, op_, lp, seed, offset, None, None, None, length, length, 0.0, True, scale=scale)
         else:  # recompute the piece's forward under autograd
             with torch.enable_grad():
                 leaves = [t.detach().contiguous().requires_grad_() for t in (qp, kp, vp)]
