@@ -125,3 +125,23 @@ def test_llama4_chunked_layers_run_the_op_at_new_lengths_with_one_symbolic_graph
     chunked = [s for s in sites if s.detail.get("recipe") == "causal + chunks of 8"]
     assert chunked and all(s.detail["kernel"] == "sdpa" for s in chunked), [s.detail for s in sites]
     assert "chunked_causal_attention" in " ".join(s.op for s in chunked), [s.op for s in chunked]
+
+
+def test_auto_runs_chunks_by_sdpa_only_where_measured_faster_on_that_card(monkeypatch):
+    """'auto' decides a chunked site by MEASURED_CHUNKS (the op against fxfuse's kernel on the chunk ids, side by
+    side): SDPA where it was faster there, fxfuse's kernel for an unmeasured card or head dim, with the reason."""
+    from fxfuse.attention import dispatch
+    from fxfuse.attention.dispatch import MEASURED_CHUNKS, choose_kernel, sdpa_expressible
+
+    monkeypatch.setattr(dispatch, "_cudnn_sdpa_usable", lambda: True)
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert MEASURED_CHUNKS
+    for (cap, d), (op_ms, ids_ms, where) in MEASURED_CHUNKS.items():
+        c = choose_kernel("auto", cuda, bf16, d, True, "", capability=cap, chunks=8192)
+        assert c.kernel == ("sdpa" if op_ms < ids_ms else "fxfuse") and where in c.reason, c
+        assert "chunks of 8192" in c.reason, c
+    c = choose_kernel("auto", cuda, bf16, 96, True, "", capability=(9, 0), chunks=8192)
+    assert c.kernel == "fxfuse" and "no side-by-side measurement" in c.reason and "chunks" in c.reason, c
+    ok, why = sdpa_expressible(softcap=0.0, causal=True, window=0, has_mask=False, has_docs=False,
+                               has_key_valid=False, sinks=False, head_dim_pads=(0, 0), same_length=False, chunks=8)
+    assert not ok and "S != Skv" in why

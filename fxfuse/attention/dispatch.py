@@ -36,10 +36,11 @@ MEASURED = {
 
 
 # The same for causal attention inside chunks (bf16, 32 q / 8 kv heads, chunks of 8192, 64k tokens, forward +
-# backward): cuDNN's causal SDPA on the chunks as a batch against fxfuse's kernel on the chunk ids as documents.
-# sm_90: H200, torch 2.11, triton 3.6.
+# backward): fxfuse::chunked_causal_attention (cuDNN's causal kernels on the chunks as a batch) against fxfuse's
+# kernel on the chunk ids as documents, in the same call. sm_90: H200, torch 2.11, triton 3.6.
 MEASURED_CHUNKS = {
-    ((9, 0), 128): (27.2, 39.4, "benchmarks/results/h200-chunked-attention-2026-11-28.json"),
+    ((9, 0), 64): (18.27, 21.94, "benchmarks/results/h200-chunked-op-2026-11-28-b.json"),
+    ((9, 0), 128): (27.82, 39.81, "benchmarks/results/h200-chunked-op-2026-11-28-d.json"),
 }
 
 
