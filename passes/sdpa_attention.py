@@ -8,6 +8,9 @@ kernels take their arbitrary-mask path over every tile. This pass first reads ho
 (:mod:`fxfuse.attention.mask_recipe`, proven for every length, static or symbolic):
 
 * a plain causal recipe -> the same SDPA call with ``is_causal=True`` and no mask (cuDNN's causal kernel);
+* causal inside chunks that tile every row from its start (Llama-4's chunked layers on unpadded rows) ->
+  ``fxfuse::chunked_causal_attention(q, k, v, C, c)``: SDPA's causal kernels on the chunks as a batch, where the
+  dispatch measured it faster than fxfuse's kernel (:mod:`fxfuse.attention.dispatch`) or ``kernel="sdpa"``;
 * causal + window / documents / key padding -> ``fxfuse::softcap_attention(q, k, v, None, c, 0.0, True, window,
   0, doc_ranges, key_valid)``: the kernels mask from indices and O(B x S) vectors (``doc_ranges`` built once per
   step and shared by every layer) and skip every block outside the ranges; the mask builders become dead and are
@@ -35,8 +38,9 @@ Falcon's multi-query attention passes it, is fused as GQA). A value head_dim tha
 attention: DeepSeek-V2/V3, MiniCPM3, Kimi, ...) is fused with zero columns appended to the narrower side and the
 output sliced back (``head_dim_pads`` in the report).
 
-Pass options (``pass_options={"sdpa_attention": {...}}``): ``kernel``: ``"auto"`` (default) or ``"fxfuse"`` (run
-plain causal recipes through fxfuse's kernel instead of SDPA's causal kernels). Each site's report entry names the
+Pass options (``pass_options={"sdpa_attention": {...}}``): ``kernel``: ``"auto"`` (default), ``"fxfuse"`` (run
+plain causal and chunked recipes through fxfuse's kernel instead of SDPA's causal kernels) or ``"sdpa"`` (chunked
+recipes by SDPA wherever it can run them, measured or not). Each site's report entry names the
 kernel and why (``kernel``, ``kernel_reason``; see :mod:`fxfuse.attention.dispatch`).
 """
 from __future__ import annotations
