@@ -28,8 +28,8 @@ The flow, one concern per module::
                      (MASKED_BELOW), the masked_rows codes, the dtypes and largest head_dim
 
 The passes import from here only public names. This package's ``__init__`` imports only the op (which registers
-``torch.ops.fxfuse.softcap_attention`` and its backward) and the chunked op; ``fxfuse.ops`` re-exports the
-same functions.
+``torch.ops.fxfuse.softcap_attention`` and its backward) and the chunked op; ``fxfuse.ops`` re-exports
+softcap_attention and document_ranges (the chunked op runs no kernel of fxfuse's own: it stays here).
 """
 from .chunked import chunked_causal_attention
 from .op import document_ranges, softcap_attention

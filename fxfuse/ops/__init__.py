@@ -19,17 +19,18 @@ contract before running, so a bad call raises :class:`fxfuse.FxFuseContractError
   without repeating K/V, causal / sliding window / packed documents / key padding (the mask by recipe, O(S)
   vectors) or a mask tensor; :func:`document_ranges` turns per-token document ids into the op's ``doc_ranges``.
   Defined, with its passes' matching and mask reading, its kernels and references, in :mod:`fxfuse.attention`.
-* :func:`chunked_causal_attention` — causal attention inside fixed-size chunks of each row (Llama-4's chunked
-  layers) by SDPA's causal kernels on the chunks as a batch (cuDNN's forward and backward on the GPU).
+
+The attention passes also insert ``fxfuse::chunked_causal_attention`` (Llama-4's chunks run by cuDNN's causal
+kernels on the chunks as a batch: a dispatch target with no kernel of fxfuse's own), public as
+:func:`fxfuse.attention.chunked_causal_attention`.
 """
 from .linear_cross_entropy import linear_cross_entropy
 from .linear_log_probs import linear_log_probs
 from .lora_linear import lora_linear
 from .vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 from .vocab_parallel_log_probs import vocab_parallel_log_probs
-from fxfuse.attention.chunked import chunked_causal_attention
 from fxfuse.attention.op import document_ranges, softcap_attention
 
-__all__ = ["chunked_causal_attention", "linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention",
+__all__ = ["linear_cross_entropy", "linear_log_probs", "lora_linear", "softcap_attention",
            "vocab_parallel_cross_entropy", "vocab_parallel_log_probs"]  # the fused ops
 # document_ranges (also importable from here) is the helper that builds softcap_attention's doc_ranges
