@@ -145,3 +145,28 @@ def test_auto_runs_chunks_by_sdpa_only_where_measured_faster_on_that_card(monkey
     ok, why = sdpa_expressible(softcap=0.0, causal=True, window=0, has_mask=False, has_docs=False,
                                has_key_valid=False, sinks=False, head_dim_pads=(0, 0), same_length=False, chunks=8)
     assert not ok and "S != Skv" in why
+
+
+@pytest.mark.parametrize("left_padding,tiling", [("zeros", 4), ("input", None)])
+def test_a_left_padding_count_built_as_zeros_keeps_the_tiling(left_padding, tiling):
+    """transformers' chunked mask subtracts each row's left-padding count; without an attention mask it builds that
+    count as ``torch.zeros(B)``: the chunks still tile every row. A count read from the batch (left padding) shifts
+    each row's chunks: the chunk ids, fxfuse's kernel."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from fxfuse.attention.mask_recipe import read_mask_recipe
+
+    def build(ids, lp):
+        if left_padding == "zeros":
+            lp = torch.zeros(ids.shape[0], dtype=torch.long)
+        b = torch.arange(ids.shape[0])[:, None, None, None]
+        q = torch.arange(ids.shape[1])[None, None, :, None]
+        kv = torch.arange(ids.shape[1])[None, None, None, :]
+        return (kv <= q) & ((kv - lp[b]) // 4 == (q - lp[b]) // 4)
+
+    gm = torch.fx.symbolic_trace(build)
+    FakeTensorProp(gm).propagate(torch.zeros(2, 12, dtype=torch.long), torch.tensor([3, 0]))
+    mask = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    recipe, why = read_mask_recipe(mask, gm, 2, 12, 12)
+    assert recipe is not None and "chunks of 4" in recipe.describe(), why
+    assert recipe.chunk_tiling == tiling

@@ -35,8 +35,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fxfuse.autocast import register_autocast_casts
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-
 from fxfuse.errors import FxFuseContractError
 
 __all__ = ["OP_NAME", "BACKWARD_OP_NAME", "chunk_pieces", "chunked_causal_attention", "uses_cudnn"]
@@ -73,6 +71,8 @@ def uses_cudnn(q: Tensor, k: Tensor, v: Tensor) -> bool:
 def _check(q: Tensor, k: Tensor, v: Tensor, size: int) -> None:
     """The contract (also checked on the fake tensors of a pass's rewrite, symbolic lengths included: a size pair
     must be provably equal, which never adds a guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # (sympy: not at fxfuse's import)
+
     def same(a, b) -> bool:
         return statically_known_true(a == b)
 
