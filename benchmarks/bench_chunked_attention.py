@@ -148,43 +148,42 @@ def child_opcheck():
     C = 128
     for D, S, layout, B in [(64, S, "bhsd", 2) for S in (300, 100, 512, 129)] + \
             [(128, S, lay, B) for S in (300, 100, 129) for lay in ("bhsd", "bshd") for B in (1, 2)]:
-        if True:
-            g = torch.Generator(device="cuda").manual_seed(S + D)
-            if layout == "bshd":  # HF's layout: [B, S, H, D] projections transposed to [B, H, S, D] views
-                q, k, v, do = (torch.randn(B, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
-                               .transpose(1, 2) for h in (8, 2, 2, 8))
+        g = torch.Generator(device="cuda").manual_seed(S + D)
+        if layout == "bshd":  # HF's layout: [B, S, H, D] projections transposed to [B, H, S, D] views
+            q, k, v, do = (torch.randn(B, S, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                           .transpose(1, 2) for h in (8, 2, 2, 8))
+        else:
+            q, k, v, do = (torch.randn(B, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
+                           for h in (8, 2, 2, 8))
+        t = torch.arange(S, device="cuda")
+        keep = (t[:, None] >= t[None, :]) & (t[:, None] // C == t[None, :] // C)
+
+        def grads(fn, dtype):  # (the layout kept: .to() of another dtype preserves strides)
+            xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+            out = fn(*xs)
+            return [out.detach().double(), *(x.double() for x in torch.autograd.grad(out, xs, do.to(dtype)))]
+
+        def masked(q_, k_, v_):
+            return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=keep, enable_gqa=True)
+
+        ref = grads(masked, torch.float64)
+        row = dict(part="opcheck", D=D, S=S, chunk=C, layout=layout, B=B)
+        for name, env, dtype in (("cudnn", "auto", torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
+                                 ("eager_bf16_mask", None, torch.bfloat16), ("fp32", "auto", torch.float32),
+                                 ("eager_fp32_mask", None, torch.float32)):
+            if env is not None:
+                os.environ["FXFUSE_CHUNKED_ATTENTION_IMPL"] = env
+                row[f"{name}_ran_cudnn"] = chunked.uses_cudnn(q.to(dtype), k.to(dtype), v.to(dtype))
+                got = grads(lambda a, b, c: chunked.chunked_causal_attention(a, b, c, C), dtype)
             else:
-                q, k, v, do = (torch.randn(B, h, S, D, device="cuda", generator=g, dtype=torch.bfloat16)
-                               for h in (8, 2, 2, 8))
-            t = torch.arange(S, device="cuda")
-            keep = (t[:, None] >= t[None, :]) & (t[:, None] // C == t[None, :] // C)
-
-            def grads(fn, dtype):  # (the layout kept: .to() of another dtype preserves strides)
-                xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
-                out = fn(*xs)
-                return [out.detach().double(), *(x.double() for x in torch.autograd.grad(out, xs, do.to(dtype)))]
-
-            def masked(q_, k_, v_):
-                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=keep, enable_gqa=True)
-
-            ref = grads(masked, torch.float64)
-            row = dict(part="opcheck", D=D, S=S, chunk=C, layout=layout, B=B)
-            for name, env, dtype in (("cudnn", "auto", torch.bfloat16), ("sdpa", "sdpa", torch.bfloat16),
-                                     ("eager_bf16_mask", None, torch.bfloat16), ("fp32", "auto", torch.float32),
-                                     ("eager_fp32_mask", None, torch.float32)):
-                if env is not None:
-                    os.environ["FXFUSE_CHUNKED_ATTENTION_IMPL"] = env
-                    row[f"{name}_ran_cudnn"] = chunked.uses_cudnn(q.to(dtype), k.to(dtype), v.to(dtype))
-                    got = grads(lambda a, b, c: chunked.chunked_causal_attention(a, b, c, C), dtype)
-                else:
-                    got = grads(masked, dtype)
-                row[name] = {w: float((a - b).norm() / b.norm()) for w, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
-            os.environ.pop("FXFUSE_CHUNKED_ATTENTION_IMPL", None)
-            row["within_2x_eager"] = all(row[n][w] <= 2 * row[e][w] + 1e-6
-                                         for n, e in (("cudnn", "eager_bf16_mask"), ("sdpa", "eager_bf16_mask"),
-                                                      ("fp32", "eager_fp32_mask"))
-                                         for w in ("out", "dq", "dk", "dv"))
-            emit(**row)
+                got = grads(masked, dtype)
+            row[name] = {w: float((a - b).norm() / b.norm()) for w, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+        os.environ.pop("FXFUSE_CHUNKED_ATTENTION_IMPL", None)
+        row["within_2x_eager"] = all(row[n][w] <= 2 * row[e][w] + 1e-6
+                                     for n, e in (("cudnn", "eager_bf16_mask"), ("sdpa", "eager_bf16_mask"),
+                                                  ("fp32", "eager_fp32_mask"))
+                                     for w in ("out", "dq", "dk", "dv"))
+        emit(**row)
 
 
 # --------------------------------------------------------------------------------------------------- steps
