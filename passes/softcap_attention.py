@@ -155,7 +155,7 @@ def _kernel_choice(site: AttentionSite, recipe, mode: str):
             head_dim_pads=tuple(site.pads), same_length=known_true(qv.shape[2] == skv), chunks=tiling or 0)
     head_dim = qv.shape[-1]
     return choose_kernel(mode, qv.device, site.cast_to or qv.dtype, head_dim if isinstance(head_dim, int) else -1,
-                         ok, why, causal=recipe is not None, chunks=(tiling or 0) if ok else 0)
+                         ok, why, causal=recipe is not None, chunks=tiling or 0)
 
 
 @register_pass(name=NAME,

@@ -14,6 +14,7 @@ from fxfuse.attention.chunked import chunk_pieces, chunked_causal_attention
 from fxfuse.errors import FxFuseContractError
 
 from conftest import fused_sites, grads_of, tiny_causal_lm
+from test_attention_recipe import _two_symbolic_dims, captured_graphs  # noqa: F401  (a fixture and its check)
 
 
 @pytest.mark.parametrize("size", [1, 3, 8])
@@ -34,12 +35,16 @@ def _masked_reference(q, k, v, size):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
 
 
+@pytest.mark.parametrize("softmax", ["flat", "peaked"])
 @pytest.mark.parametrize("S", [5, 8, 17, 24])
-def test_forward_and_gradients_match_float64_as_close_as_eager(S):
+def test_forward_and_gradients_match_float64_as_close_as_eager(S, softmax):
     """The chunked mask's attention (causal inside chunks of 8), GQA 4:2, two rows; fp32 inputs against the
-    float64 masked reference: no further from it than eager's SDPA given the mask tensor (2x at most)."""
+    float64 masked reference: no further from it than eager's SDPA given the mask tensor (2x at most). Peaked: q
+    scaled up so each row's softmax is close to one-hot."""
     g = torch.Generator().manual_seed(S)
     q, do = (torch.randn(2, 4, S, 16, generator=g) for _ in range(2))
+    if softmax == "peaked":
+        q = q * 12.0
     k, v = (torch.randn(2, 2, S, 16, generator=g) for _ in range(2))
 
     def run(fn, dtype):
@@ -95,11 +100,12 @@ def test_chunk_tiling_is_read_only_for_chunks_from_the_row_start(side, tiling):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attn,pass_name", [("sdpa", "sdpa_attention"), ("eager", "softcap_attention")])
-def test_llama4_chunked_layers_run_the_op_at_new_lengths_with_one_symbolic_graph(attn, pass_name):
+def test_llama4_chunked_layers_run_the_op_at_new_lengths_with_one_symbolic_graph(attn, pass_name, captured_graphs):
     """A tiny Llama-4 (chunks of 8), unpadded rows, compiled as users call it, kernel='sdpa' (what 'auto' picks on
     a GPU where it was measured faster): the chunked layer runs fxfuse::chunked_causal_attention, the full layer
     SDPA's causal kernel; loss and every gradient equal eager's at lengths past the chunk, inside one chunk and at
-    a multiple of it, all served by the symbolic graph compiled at the second length."""
+    a multiple of it, all served by the symbolic graph compiled at the second length, whose Dynamo and AOT graphs
+    hold no tensor with two sequence-length dims (the chunked mask is gone)."""
     torch.manual_seed(0)
     model = tiny_causal_lm("llama4", attn_implementation=attn)
     opts = {"compiler": "aot_eager", "pass_options": {pass_name: {"kernel": "sdpa"}}}
@@ -121,6 +127,10 @@ def test_llama4_chunked_layers_run_the_op_at_new_lengths_with_one_symbolic_graph
             torch.testing.assert_close(gr, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
         graphs.append(len(torch._dynamo.utils.get_compilation_metrics()))
     assert graphs[1] == graphs[2] == graphs[3], graphs  # no recompile after the symbolic graph
+    symbolic = [gm for gm in captured_graphs
+                if any(not isinstance(s, int) for n in gm.graph.nodes if n.op == "placeholder"
+                       for s in getattr(n.meta.get("val", n.meta.get("example_value")), "shape", ()))]
+    assert symbolic and _two_symbolic_dims(symbolic) == []
     sites = fused_sites(pass_name, fxfuse.reports()[-1])
     chunked = [s for s in sites if s.detail.get("recipe") == "causal + chunks of 8"]
     assert chunked and all(s.detail["kernel"] == "sdpa" for s in chunked), [s.detail for s in sites]
