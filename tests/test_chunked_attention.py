@@ -157,7 +157,8 @@ def test_auto_runs_chunks_by_sdpa_only_where_measured_faster_on_that_card(monkey
     assert not ok and "S != Skv" in why
 
 
-@pytest.mark.parametrize("left_padding,tiling", [("zeros", 4), ("input", None)])
+@pytest.mark.parametrize("left_padding,tiling", [("zeros", 4), ("input", None), ("zeros_then_added", None),
+                                                  ("zeros_then_a_slice_filled", None)])
 def test_a_left_padding_count_built_as_zeros_keeps_the_tiling(left_padding, tiling):
     """transformers' chunked mask subtracts each row's left-padding count; without an attention mask it builds that
     count as ``torch.zeros(B)``: the chunks still tile every row. A count read from the batch (left padding) shifts
@@ -167,8 +168,12 @@ def test_a_left_padding_count_built_as_zeros_keeps_the_tiling(left_padding, tili
     from fxfuse.attention.mask_recipe import read_mask_recipe
 
     def build(ids, lp):
-        if left_padding == "zeros":
+        if left_padding.startswith("zeros"):
             lp = torch.zeros(ids.shape[0], dtype=torch.long)
+            if left_padding == "zeros_then_added":  # a count built as zeros, then written: not zeros any more
+                lp.add_(3)
+            elif left_padding == "zeros_then_a_slice_filled":
+                lp[:1].fill_(3)
         b = torch.arange(ids.shape[0])[:, None, None, None]
         q = torch.arange(ids.shape[1])[None, None, :, None]
         kv = torch.arange(ids.shape[1])[None, None, None, :]

@@ -38,6 +38,7 @@ graph that built it; :class:`RecipeInputs` then threads the O(B x S) vectors int
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
@@ -294,13 +295,34 @@ def _is_zero_tensor(n: Any) -> bool:
 
 
 def _no_row_term(row: Optional[_Row]) -> bool:
-    """No per-row term, or one built as zeros (transformers' left-padding count when no attention mask is given)."""
+    """No per-row term, or one built as zeros (transformers' left-padding count when no attention mask is given)
+    and never written in place afterwards."""
     if row is None:
         return True
     n = row.src
+    chain = [n]
     while isinstance(n, fx.Node) and op_kind(n) in ("cast", "view", "reshape", "contiguous", "expand"):
         n = arg(n, "input")
-    return _is_zero_tensor(n)
+        chain.append(n)
+    return _is_zero_tensor(n) and not any(_written_in_place(c) for c in chain if isinstance(c, fx.Node))
+
+
+_VIEW_KINDS = ("getitem", "view", "reshape", "expand", "unsqueeze", "squeeze", "transpose", "permute", "narrow",
+               "select", "slice")
+
+
+def _written_in_place(n: fx.Node) -> bool:
+    """Is ``n`` written in place by a user (``t[i] = x``, ``t.add_(...)``, ``copy_``, ...), directly or through a
+    view of it?"""
+    for u in n.users:
+        if u.op not in ("call_function", "call_method") or not u.args or u.args[0] is not n:
+            continue
+        name = u.target if isinstance(u.target, str) else getattr(u.target, "__name__", "")
+        if u.target is operator.setitem or (name.endswith("_") and not name.endswith("__")):
+            return True
+        if (u.target is operator.getitem or op_kind(u) in _VIEW_KINDS) and _written_in_place(u):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------- the interpreter
