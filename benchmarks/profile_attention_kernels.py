@@ -183,8 +183,7 @@ def sec_sweep(args):
                         t = median_ms(fn)
                         emit(impl="fxfuse", layout=layout, D=D, S=S, part=f"sweep_{kern}", config=list(c),
                              ms=round(t, 3), tflops=round((1 if kern == "fwd" else 2.5) * ff / t / 1e9),
-                             compiled=[r for r in compiled_stats()
-                                       if r["kernel"].endswith("dkdv" if kern == "dkdvq" else kern)])
+                             compiled=[r for r in compiled_stats() if r["kernel"].endswith(kern)])
                     except Exception as e:
                         emit(impl="fxfuse", layout=layout, D=D, S=S, part=f"sweep_{kern}", config=list(c),
                              error=f"{type(e).__name__}: {str(e)[:200]}")

@@ -63,15 +63,14 @@ if HAVE_TRITON:
         tl.store(DELTA + bh * S + offs_m, tl.sum(o * do, 1), mask=offs_m < S)
 
     @triton.jit
-    def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, DQ_h, offs_n,
+    def _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, offs_n,
                         offs_m0, offs_d, lo, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF, window, sc_mul,
                         out_mul, DST, KVV, kv_check,
                         BLOCK_M: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
                         DO_DV: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr, FUSE_DQ: tl.constexpr,
-                        HEAD_DIM: tl.constexpr):
+                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr):
         # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]. This kernel holds two fp32
         # [BLOCK_N, Dh] accumulators: every register counts (spills cost it ~20% on the H200), so no q / dO load
         # here takes a bounds mask: interior blocks lie inside the sequence (block_map), boundary blocks go
@@ -112,18 +111,7 @@ if HAVE_TRITON:
                 dsT = pT * (dpT - Di[None, :])
                 if SOFTCAP:
                     dsT = dsT * (1.0 - t * t)  # d(cap * tanh(x / cap)) = 1 - tanh^2
-                ds16 = dsT.to(q.dtype)
-                dk = dot_acc(ds16, q, dk, DOT_FP32)
-                if FUSE_DQ:
-                    # this key block's share of dQ for these rows, added to the fp32 buffer (other key blocks add
-                    # theirs in any order). Rows past S (boundary blocks read them at the clamped index) have
-                    # ds = 0: adding it to row S - 1 changes nothing, and no row mask costs registers here.
-                    dq_part = dot(tl.trans(ds16), k, DOT_FP32)
-                    dq_ptrs = DQ_h + rows[:, None] * HEAD_DIM + offs_d[None, :]
-                    if D_MASK:
-                        tl.atomic_add(dq_ptrs, dq_part, mask=offs_d[None, :] < D_MASK, sem="relaxed")
-                    else:
-                        tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
+                dk = dot_acc(dsT.to(q.dtype), q, dk, DOT_FP32)
         return dk, dv
 
     @triton.jit
@@ -144,7 +132,7 @@ if HAVE_TRITON:
         return lo, b_, c_, hi
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DKDV)
-    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC, DQ_ACC,
+    def _attn_bwd_dkdv(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DK, DV, Q_DESC, DO_DESC,
                        stride_qb, stride_qh, stride_qm, stride_qd,
                        stride_kb, stride_kh, stride_kn, stride_kd,
                        stride_vb, stride_vh, stride_vn, stride_vd,
@@ -159,7 +147,7 @@ if HAVE_TRITON:
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
                        DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
                        BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                       INT64: tl.constexpr, USE_DESC: tl.constexpr, ROWS: tl.constexpr, FUSE_DQ: tl.constexpr):
+                       INT64: tl.constexpr, USE_DESC: tl.constexpr, ROWS: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n, bhk = grid_ids(BLOCK_MAJOR, False)
@@ -210,23 +198,22 @@ if HAVE_TRITON:
             M_blk = M + b * stride_mb + h * stride_mh + offs_n[:, None] * stride_mn
             LSE_h = LSE + (b * H + h) * S
             DELTA_h = DELTA + (b * H + h) * S
-            DQ_h = DQ_ACC + (b * H + h) * S * HEAD_DIM  # FUSE_DQ: fp32 [B, H, S, HEAD_DIM], contiguous
             # [lo, b) boundary | [b, c) interior | [c, hi) boundary
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, DQ_h,
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, FUSE_DQ, HEAD_DIM)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, DQ_h,
+                                     USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
                                      IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, FUSE_DQ, HEAD_DIM)
-            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h, DQ_h,
+                                     USE_DESC, BLOCK_D)
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, FUSE_DQ, HEAD_DIM)
+                                     USE_DESC, BLOCK_D)
         if DO_DK:
             dk = dk * scaling
             tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
@@ -476,11 +463,6 @@ _PLANS = PlanCache()
 _DESCRIPTORS = {}
 
 
-def _dq_of(dq_acc, scaling, dtype):
-    """dq from the fused kernel's fp32 sums (the softmax scale applied once here, as the dQ kernel does)."""
-    return (dq_acc * scaling).to(dtype)
-
-
 def _descriptor_template(d):
     return None if d is None else rebase_descriptor(d, None)
 
@@ -491,13 +473,10 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     B, Hq, S, Dh = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    fuse_dq = launching.dq_in_dkdv(q.dtype)
     plan = plan_key("bwd", q, k, v, mask, config, scaling, softcap, causal, window, masked_rows, doc_ranges,
-                    key_valid, do.shape, do.stride(), out.shape, out.stride(), lse.shape, lse.stride(), fuse_dq)
+                    key_valid, do.shape, do.stride(), out.shape, out.stride(), lse.shape, lse.stride())
     delta = torch.empty(B, Hq, S, dtype=torch.float32, device=q.device)
-    # fuse_dq: the dK/dV kernel adds each key block's share into an fp32 buffer; else the dQ kernel writes dq
-    dq_acc = torch.zeros(B, Hq, S, Dh, dtype=torch.float32, device=q.device) if fuse_dq else None
-    dq = None if fuse_dq else torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
+    dq = torch.empty(B, Hq, S, Dh, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, Hkv, Skv, Dh, dtype=k.dtype, device=q.device)
     dv = torch.empty(B, Hkv, Skv, Dh, dtype=v.dtype, device=q.device)
     docs, kvv, span = recipe_tensors(doc_ranges, key_valid, lse)
@@ -506,11 +485,9 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     templates = _DESCRIPTORS.get(plan)
     if templates is not None:
         q_desc, do_desc = (None if t is None else rebase_descriptor(t, x) for t, x in zip(templates, (q, do)))
-        roles = (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, q_desc, do_desc, dq_acc, *mask_role)
+        roles = (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, q_desc, do_desc, *mask_role)
         replay = _PLANS.lookup(plan, roles)
         if replay is not None and replay(roles, q.device.index):
-            if fuse_dq:
-                dq = _dq_of(dq_acc, scaling, q.dtype)
             return nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows)
 
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
@@ -532,7 +509,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                   INT64=needs_int64(q, k, v, do, dq, dk, dv, expand_mask(mask, B, Hq, S, Skv)))
     descs = [None, None]
 
-    def launch_dkdv(c, fuse_dq=False):
+    def launch_dkdv(c):
         BM, BN, nw, ns, *split = c
         # split (5th config field): dK and dV in two launches, each holding one fp32 accumulator
         passes = [(True, False), (False, True)] if split and split[0] else [(True, True)]
@@ -547,13 +524,11 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
             for (do_dk, do_dv), (rows, flags) in itertools.product(passes, row_launches(has_kvv)):
                 rec.launch(_attn_bwd_dkdv, grid(triton.cdiv(Skv, BN), B * Hkv), (
                     q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dk, dv, descs[0], descs[1],
-                    dq_acc if fuse_dq else lse,
                     *q.stride(), *k.stride(), *v.stride(), *ms,
                     *rs, sdb, sde, skb, ssb, *do.stride(), *dk.stride(), *dv.stride(), Hq, Hkv, G, S, Skv, Skv - S,
                     int(window or 0), sc_mul, out_mul, float(scaling)), dict(
                     BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, DO_DK=do_dk,
-                    DO_DV=do_dv, USE_DESC=use_desc, HAS_KVV=flags, ROWS=rows, FUSE_DQ=fuse_dq and do_dk,
-                    **common))
+                    DO_DV=do_dv, USE_DESC=use_desc, HAS_KVV=flags, ROWS=rows, **common))
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
@@ -567,23 +542,14 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                     *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling)), dict(
                     BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, HAS_KVV=flags, ROWS=rows, **common))
 
-    if fuse_dq:
-        # a fallback config after an out-of-resources launch re-adds from zero (nothing was added by a launch that
-        # did not start)
-        launch_with_fallbacks("dkdvq", _attn_bwd_dkdv, None, config_for("dkdvq", BLOCK_D, q.dtype, config), key,
-                              lambda c: launch_dkdv(c, fuse_dq=True))
-        dq = _dq_of(dq_acc, scaling, q.dtype)
-    else:
-        launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, config_for("dkdv", BLOCK_D, q.dtype, config), key,
-                              launch_dkdv)
-        launch_with_fallbacks("dq", _attn_bwd_dq, None, config_for("dq", BLOCK_D, q.dtype, config), key, launch_dq)
+    launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, config_for("dkdv", BLOCK_D, q.dtype, config), key,
+                          launch_dkdv)
+    launch_with_fallbacks("dq", _attn_bwd_dq, None, config_for("dq", BLOCK_D, q.dtype, config), key, launch_dq)
     if masked_rows == MASKED_ROWS_UNIFORM:
         _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap, BLOCK_D, dot32)
     elif plan is not None:
         if len(_DESCRIPTORS) >= _PLANS.max_entries:
             _DESCRIPTORS.clear()
         _DESCRIPTORS[plan] = tuple(_descriptor_template(d) for d in descs)
-        # the same roles as the lookup's (dq is made after the launches where they add into dq_acc)
-        _PLANS.store(plan, (q, k, v, do, out, lse, delta, None if fuse_dq else dq, dk, dv, docs, kvv, span,
-                            *descs, dq_acc, *mask_role), rec)
+        _PLANS.store(plan, (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, *descs, *mask_role), rec)
     return nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows)

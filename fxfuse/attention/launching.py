@@ -6,7 +6,7 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
   (:data:`FALLBACK_CONFIGS`, :func:`launch_with_fallbacks`), tiny tiles under the interpreter
   (:data:`INTERPRET_CONFIG`); :func:`config_for` picks one.
 * Switches, module attributes read at every launch (benchmarks and tests set them here): ``FAST_TANH``
-  (tanh.approx for bf16 / fp16), ``BLOCK_MAJOR_GRID`` (grid order), ``FORCE_INT64`` (64-bit addresses at any size), ``DQ_IN_DKDV`` (dQ by atomic adds in the dK/dV kernel).
+  (tanh.approx for bf16 / fp16), ``BLOCK_MAJOR_GRID`` (grid order), ``FORCE_INT64`` (64-bit addresses at any size).
   The mask tensor's block ranges have theirs in :mod:`.block_map` (``MASK_BLOCK_RANGES``).
 * Arguments: a mask tensor's strides and kind (:func:`mask_args`), the recipe vectors (:func:`recipe_args`),
   whether addresses need 64 bits (:func:`needs_int64`), the softcap variant and scalars (:func:`softcap_mode`,
@@ -15,7 +15,6 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -26,7 +25,7 @@ from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "DQ_IN_DKDV", "dq_in_dkdv",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -36,26 +35,25 @@ __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_wi
 # configs that need more than Hopper's 227 KB smem (e.g. dq (128, 32, 8, 3) plus a mask tile) fall back.
 DEFAULT_CONFIGS = {
     # (BLOCK_D, elem_size): {kernel: (BLOCK_M, BLOCK_N, num_warps, num_stages)}; M = query rows, N = key rows
-    (256, 2): {"fwd": (128, 64, 8, 2), "dkdv": (32, 128, 8, 2, 1), "dq": (128, 32, 8, 3), "dkdvq": (32, 128, 8, 2, 1)},
+    (256, 2): {"fwd": (128, 64, 8, 2), "dkdv": (32, 128, 8, 2, 1), "dq": (128, 32, 8, 3)},
     # Dh 128 bf16: backward tiles from an H200 sweep at 32k tokens, 8 packed documents, 32 q / 8 kv heads
     # (results/h200-attn-bwd-sweep.jsonl): dq (128, 32, 8, 2) -> (128, 64, 8, 3) 11.74 -> 9.86 ms,
     # dkdv (32, 128, 8, 2) -> (64, 128, 8, 2) 11.74 -> 11.27 ms (each axis swept with the other at its old value).
     # fwd (128, 64, 8, 3) -> (128, 128, 8, 3): 18.9 -> 17.8 ms causal, 2.65 -> 2.63 docs8 (32k, H200,
     # results/h200-attn-kernels-2026-11-25.jsonl). Dh 64: dkdv (32, 128, 4, 2) -> (32, 128, 4, 3) 37.3 -> 36.4 ms
     # causal backward, dq (128, 32, 4, 2) -> (128, 64, 4, 3) 36.6 -> 33.5 ms (same file).
-    (128, 2): {"fwd": (128, 128, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3), "dkdvq": (64, 128, 8, 2)},
-    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 64, 4, 3), "dkdvq": (32, 128, 4, 3)},
-    (256, 4): {"fwd": (64, 32, 8, 1), "dkdv": (32, 32, 8, 1), "dq": (32, 32, 8, 1), "dkdvq": (32, 32, 8, 1)},
-    (128, 4): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1), "dkdvq": (32, 64, 4, 1)},
-    (64, 4): {"fwd": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "dkdvq": (32, 64, 4, 2)},
+    (128, 2): {"fwd": (128, 128, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)},
+    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 64, 4, 3)},
+    (256, 4): {"fwd": (64, 32, 8, 1), "dkdv": (32, 32, 8, 1), "dq": (32, 32, 8, 1)},
+    (128, 4): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
+    (64, 4): {"fwd": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)},
 }
 # Tried in order when a config does not fit (a mask tensor adds a tile of shared memory per block: the
 # Dh-256 dq config (128, 32, 8, 3) needs 240 KB with a mask, over Hopper's 227 KB; with a causal mask tensor at
 # B2 S4096 on the H200 its backward takes 3.62 ms with dq (128, 32, 8, 2), 3.65 with (128, 64, 8, 1), 3.88 with
 # (64, 32, 4, 3), against 3.27 ms with causal=True and no mask).
 FALLBACK_CONFIGS = {"fwd": [(128, 64, 8, 3), (64, 64, 4, 2), (32, 32, 4, 1)], "dkdv": [(32, 64, 8, 2, 1), (16, 32, 4, 1, 1)],
-                    "dq": [(128, 32, 8, 2), (64, 32, 4, 3), (32, 32, 4, 1)],
-                    "dkdvq": [(32, 64, 8, 2, 1), (16, 32, 4, 1, 1)]}
+                    "dq": [(128, 32, 8, 2), (64, 32, 4, 3), (32, 32, 4, 1)]}
 _WORKING = {}  # (kind, block_d, dtype, mask kind, requested config) -> config that launched
 
 
@@ -76,7 +74,7 @@ def launch_with_fallbacks(kind, kernel, grid_of, cfg, key, launch):
 
 
 # Tiny blocks for the interpreter (numpy): cheap and exercises the multi-block / boundary logic.
-INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdvq": (16, 16, 4, 1)}
+INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
 
 
 def config_for(kind: str, block_d: int, dtype, override=None):
@@ -234,22 +232,6 @@ def needs_int64(*tensors) -> bool:
 # are MUFU-heavy: tanh and exp2 per score, in the forward and in each backward recompute). fp32 keeps the exact
 # formula (its 1e-4 tolerance is below tanh.approx's error); the interpreter cannot run inline PTX.
 FAST_TANH = True
-
-# dQ inside the dK/dV kernel (one fp32 buffer, atomically added to by every key block: 5 matmuls a tile instead of
-# the separate dQ kernel's recompute, 7 in all) or in its own kernel (deterministic). None: the measured rule of
-# :func:`dq_in_dkdv`; True / False force one (benchmarks, tests; ``FXFUSE_ATTENTION_DQ=atomic|separate`` sets it
-# at import). Never under torch's deterministic mode.
-DQ_IN_DKDV = {"atomic": True, "separate": False}.get(os.environ.get("FXFUSE_ATTENTION_DQ", ""))
-
-
-def dq_in_dkdv(dtype) -> bool:
-    """Whether the backward accumulates dQ by atomic adds in the dK/dV kernel (the order of fp32 additions then
-    varies run to run, as in FlashAttention's and cuDNN's backward)."""
-    if torch.are_deterministic_algorithms_enabled():
-        return False
-    if DQ_IN_DKDV is not None:
-        return bool(DQ_IN_DKDV)
-    return False
 
 
 def softcap_mode(softcap, dtype) -> int:
