@@ -134,9 +134,8 @@ def test_several_ranks_switch_once_every_ranks_child_is_done(monkeypatch):
     assert late.state == "switched" and "without the other ranks" in late.note, late.note
 
 
-def test_the_process_started_early_serves_the_first_graph(monkeypatch):
+def test_the_process_started_early_serves_the_first_graph():
     # Started at the top of a script (before the model exists): that process, and no second one, takes the graph
-    monkeypatch.delenv("FXFUSE_BACKGROUND_NICE")  # the default priority, checked below
     fxfuse.start_background_compile_process()
     fxfuse.start_background_compile_process()
     pid = background_inductor._child.proc.pid
@@ -148,11 +147,22 @@ def test_the_process_started_early_serves_the_first_graph(monkeypatch):
     (job,) = fxfuse.background_compiles()
     assert background_inductor._child.proc.pid == pid and job.state == "cached", job.error
     assert 0 < job.child_startup["fxfuse"] <= job.child_startup["inductor"]
-    # background work: the process runs below this one's scheduling priority (its Inductor workers inherit it)
-    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0)
-                                                       + background_inductor.CHILD_NICENESS)
     _assert_close(_step(compiled, mod, x), _step(ref, ref, x))
     assert job.state == "switched"
+
+
+def test_the_compile_process_runs_below_the_callers_priority(monkeypatch):
+    """Background work: by default the process lowers its own scheduling priority first thing (its Inductor
+    workers inherit it). Checked apart from any compile: at nice 10 on CI's two loaded cores a compile took minutes."""
+    monkeypatch.delenv("FXFUSE_BACKGROUND_NICE")  # the default, read by the process at its start
+    fxfuse.start_background_compile_process()
+    pid = background_inductor._child.proc.pid
+    want = min(19, os.getpriority(os.PRIO_PROCESS, 0) + background_inductor.CHILD_NICENESS)
+    assert want > os.getpriority(os.PRIO_PROCESS, 0)
+    deadline = time.monotonic() + 120  # it lowers it once its interpreter has imported the module
+    while os.getpriority(os.PRIO_PROCESS, pid) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == want
 
 
 def _two_ranks_worker(rank, world, port, result_path):
