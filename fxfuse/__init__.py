@@ -55,7 +55,7 @@ from .ops.trl_fused_head import install_trl_shim_on_import as _install_trl_shim 
 _install_trl_shim()
 
 __all__ = [
-    "compile", "compile_regions", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
+    "compile", "compile_regions", "undo_compile_regions", "install", "uninstall", "report", "reports", "clear_reports", "debug", "ops", "register_pass",
     "background_compiles", "start_background_compile_process", "wait_for_background_compiles",
     "registered_passes", "PassOption", "FusionReport", "SiteRecord", "FxFuseError", "FxFuseContractError",
     "FxFusePassError", "FxFuseValidationError", "FxFuseOptionsError", "PassRegistrationError", "__version__",

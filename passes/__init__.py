@@ -30,7 +30,7 @@ PASS_ORDER = (
     # After every fusion: it wraps what is left of a layer's MLP (LoRA ops included) as one opaque op.
     "sequence_tiling",      # token-wise wide regions over chunks of tokens (auto: when a layer's MLP would not fit)
     # Last: it changes what checkpointed regions receive, after every pass that reads or rewrites their bodies.
-    "checkpoint_offload",   # checkpointed regions' inputs in host memory (only with offload_activations)
+    "checkpoint_offload",   # checkpointed regions' inputs in host memory (offload_activations; auto by default)
 )
 
 PASSES = load_pass_package(__name__, order=PASS_ORDER)
