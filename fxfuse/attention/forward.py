@@ -22,7 +22,7 @@ from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         plan_key, recipe_args, recipe_tensors, row_launches, score_scalars, softcap_mode)
 from .reference import expand_mask, value_mean
-from .scores import dot, dot_acc, exp2_tile, load_tile, masked_scores
+from .scores import dot, dot_acc, load_tile, masked_scores
 
 __all__ = ["attention_fwd_triton"]
 
@@ -37,8 +37,7 @@ if HAVE_TRITON:
                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                    BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                   EXP2_MODE: tl.constexpr):
+                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         # interior tiles lie inside the row's valid-key span: key padding is read there only if it has holes
         kv_check = 1 if BOUNDARY else kv_holes
         for start_n in range(lo, hi, BLOCK_N):
@@ -64,7 +63,7 @@ if HAVE_TRITON:
             else:  # an interior tile keeps every score: m_new is finite
                 m_use = m_new
             alpha = tl.exp2(m_i - m_use)
-            p = exp2_tile(s2 - m_use[:, None], EXP2_MODE)
+            p = tl.exp2(s2 - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
             acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)  # eager: p.to(q.dtype) @ v
@@ -84,7 +83,7 @@ if HAVE_TRITON:
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
-                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, EXP2_MODE: tl.constexpr):
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
@@ -125,15 +124,15 @@ if HAVE_TRITON:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, EXP2_MODE)
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, EXP2_MODE)
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, EXP2_MODE)
+                                   HAS_KVV)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
         if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
@@ -192,8 +191,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, EXP2_MODE=launching.exp2_mode(q.dtype),
-                    num_warps=nw, num_stages=ns))
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)

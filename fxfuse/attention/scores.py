@@ -21,7 +21,7 @@ from fxfuse.kernels.triton_support import HAVE_TRITON, tanh_approx, tl, triton
 
 from .conventions import MASKED_BELOW
 
-__all__ = ["MASKED_BELOW_C", "tanh_exp2", "exp2_tile", "dot", "dot_acc", "load_tile", "masked_scores"]
+__all__ = ["MASKED_BELOW_C", "tanh_exp2", "dot", "dot_acc", "load_tile", "masked_scores"]
 
 if HAVE_TRITON:
     # MASKED_BELOW as a Triton constant: a @triton.jit function reads a module global only if it is a tl.constexpr.
@@ -58,34 +58,6 @@ if HAVE_TRITON:
             return tl.load(ptrs)
         else:
             return tl.load(ptrs, mask=msk, other=0.0)
-
-    @triton.jit
-    def _exp2_fma(x):
-        # 2^x on the FMA pipes instead of the MUFU unit (FlashAttention-4's trick: the softmax's exponentials share
-        # the SM's one special-function unit, 16 a clock, while the tensor cores wait): 2^x = 2^n * 2^f, n = floor(x),
-        # 2^f in [1, 2) from a degree-3 polynomial (relative error < 9e-5, under bf16's 3.9e-3), 2^n added to the
-        # exponent bits. Below -126 the result is 0 (-inf included: masked scores stay exactly 0); NaN stays NaN.
-        xc = tl.maximum(x, -126.0)
-        n = tl.floor(xc)
-        f = xc - n
-        p = 1.0 + f * (0.6951156043203934 + f * (0.22765028406970964 + f * 0.07706219727290173))
-        r = (p.to(tl.int32, bitcast=True) + (n.to(tl.int32) << 23)).to(tl.float32, bitcast=True)
-        return tl.where(x >= -126.0, r, tl.where(x < -126.0, 0.0, x))
-
-    @triton.jit
-    def exp2_tile(x, EXP2_MODE: tl.constexpr):
-        """exp2 of a score tile [M, N]. EXP2_MODE 0: the MUFU unit (``tl.exp2``); 1: every other column on the FMA
-        pipes (:func:`_exp2_fma`); 2: all of them on the FMA pipes. Mode 1 pairs adjacent columns, which the MMA
-        accumulator layout keeps in one thread's registers."""
-        if EXP2_MODE == 1:
-            M: tl.constexpr = x.shape[0]
-            N: tl.constexpr = x.shape[1]
-            a, b = tl.split(tl.reshape(x, [M, N // 2, 2]))
-            return tl.reshape(tl.join(tl.exp2(a), _exp2_fma(b)), [M, N])
-        elif EXP2_MODE == 2:
-            return _exp2_fma(x)
-        else:
-            return tl.exp2(x)
 
     @triton.jit
     def _scores(qk, sc_mul, out_mul, SOFTCAP: tl.constexpr):
@@ -142,4 +114,4 @@ if HAVE_TRITON:
         return s2
 else:  # pragma: no cover
     MASKED_BELOW_C = MASKED_BELOW
-    tanh_exp2 = exp2_tile = dot = dot_acc = load_tile = masked_scores = None
+    tanh_exp2 = dot = dot_acc = load_tile = masked_scores = None
