@@ -34,20 +34,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
-                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, score_mul, exp_mul, DST, KVV,
-                   kv_holes,
+                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                    BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr, LAZY: tl.constexpr):
-        # Scores s = masked_scores(.., score_mul) enter the softmax as exp2(s * exp_mul - m * exp_mul): with
-        # score_mul = 1 and exp_mul = the log2-domain scale (RAW, see _attn_fwd) the scale is applied inside one FMA
-        # per score instead of a multiply before the row max; otherwise score_mul carries it and exp_mul = 1.
-        # LAZY: the running max m is moved (and acc, l rescaled) only when a row's max grows by more than 8 in the
-        # log2 domain; p stays <= 2^8 meanwhile (fp32 sums, bf16 p: exact enough), and most tiles skip the
-        # [BLOCK_M, D] rescale of acc (FlashAttention-4's conditional rescaling).
+                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         # interior tiles lie inside the row's valid-key span: key padding is read there only if it has holes
         kv_check = 1 if BOUNDARY else kv_holes
-        GUARD: tl.constexpr = BOUNDARY or MASK_KIND != 0 or HAS_KVV
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             if BOUNDARY:
@@ -61,38 +53,21 @@ if HAVE_TRITON:
                     kv_mask = None
             k = load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
             qk = dot(q, tl.trans(k), DOT_FP32)
-            s2, t = masked_scores(qk, sc_mul, score_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
+            s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
                                   IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
             m_new = tl.maximum(m_i, tl.max(s2, 1))
+            if BOUNDARY or MASK_KIND != 0 or HAS_KVV:
+                # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:  # an interior tile keeps every score: m_new is finite
+                m_use = m_new
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s2 - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
             v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
-            if LAZY:
-                # rows that are -inf before and after give NaN here, which max ignores
-                if tl.max(m_new - m_i, 0) * exp_mul > 8.0:
-                    m_up = m_new
-                    if GUARD:
-                        m_up = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2((m_i - m_up) * exp_mul)
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-                m_use = m_i
-                if GUARD:
-                    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-                p = tl.exp2(s2 * exp_mul - (m_use * exp_mul)[:, None])
-                l_i = l_i + tl.sum(p, 1)
-                acc = dot_acc(p.to(v.dtype), v, acc, DOT_FP32)
-            else:
-                if GUARD:
-                    # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
-                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:  # an interior tile keeps every score: m_new is finite
-                    m_use = m_new
-                alpha = tl.exp2((m_i - m_use) * exp_mul)
-                p = tl.exp2(s2 * exp_mul - (m_use * exp_mul)[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)  # eager: p.to(q.dtype) @ v
-                m_i = m_new
+            acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)  # eager: p.to(q.dtype) @ v
+            m_i = m_new
         return acc, l_i, m_i
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
@@ -108,8 +83,7 @@ if HAVE_TRITON:
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
-                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, RAW: tl.constexpr,
-                  LAZY: tl.constexpr):
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
@@ -140,11 +114,6 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # RAW (not with an additive mask tensor, whose values add in the scaled domain): the scores stay unscaled
-        # through the max, the scale rides in the exponent's FMA (exactly 1.0 and out_mul either way)
-        RAW_F: tl.constexpr = 1.0 if (RAW and MASK_KIND != 1) else 0.0
-        score_mul = out_mul * (1.0 - RAW_F) + RAW_F
-        exp_mul = out_mul * RAW_F + (1.0 - RAW_F)
         # MASK_RANGES: the FULL middle [b_, c_) of the mask tensor's ranges needs no mask reads
         MID_MASK: tl.constexpr = 0 if MASK_RANGES else MASK_KIND
         KVS = KVSPAN + b * stride_spanb  # this row's valid-key span (first, end, holes) (HAS_KVV)
@@ -153,17 +122,17 @@ if HAVE_TRITON:
                                                OFF, window, DST, KVS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                                MASK_RANGES, HAS_DOCS, HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, score_mul, exp_mul, DST,
-                                   KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, LAZY)
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, score_mul, exp_mul, DST,
-                                   KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, LAZY)
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, score_mul, exp_mul, DST,
-                                   KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, LAZY)
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
         if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
@@ -171,7 +140,7 @@ if HAVE_TRITON:
             acc = tl.where(dead[:, None], vm[None, :], acc)
         elif MASKED_ROWS == 2:  # eager with a -inf fill: softmax of an all -inf row is NaN
             acc = tl.where(dead[:, None], float("nan"), acc)
-        lse = tl.where(dead, float("inf"), (m_i * exp_mul + tl.log2(tl.where(dead, 1.0, l_i))) * 0.6931471805599453)
+        lse = tl.where(dead, float("inf"), (m_i + tl.log2(tl.where(dead, 1.0, l_i))) * 0.6931471805599453)
         tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                  acc.to(O.dtype.element_ty), mask=q_mask)
         tl.store(LSE + bh * S + offs_m, lse, mask=offs_m < S)
@@ -222,8 +191,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, RAW=launching.FWD_RAW_SCORES,
-                    LAZY=launching.FWD_LAZY_RESCALE, num_warps=nw, num_stages=ns))
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)
