@@ -67,6 +67,72 @@ def test_forward_and_gradients_match_float64_as_close_as_eager(S, softmax):
         assert not torch.equal(a[:, :, :8], b[:, :, :8])
 
 
+@pytest.mark.parametrize("refuses", ["forward", "backward"])
+def test_a_piece_cudnn_refuses_at_run_time_runs_sdpa_with_the_same_values(refuses, monkeypatch):
+    """Where cuDNN raises for a piece (a build with no plan for it), that piece runs the SDPA path, once warned; a
+    forward that fell back saved no statistics, so its backward recomputes too, and later calls skip cuDNN for
+    that piece's shape. Stood in on the CPU: cuDNN's two calls replaced by float64-exact math (the forward's
+    out and log-sum-exp) or by the refusal; every value matches the SDPA path's."""
+    from fxfuse.attention import chunked
+
+    monkeypatch.setattr(chunked, "CUDNN_REFUSED", {})
+    monkeypatch.setattr(chunked, "uses_cudnn", lambda q, k, v: True)
+    calls = {"fwd": 0, "bwd": 0}
+
+    def refuse(*a, **kw):
+        raise RuntimeError("cuDNN Frontend error: [cudnn_frontend] Error: No valid execution plans built.")
+
+    def cudnn_forward(qp, kp, vp, scale):  # what cuDNN computes: out and the natural-log lse [B, H, L, 1]
+        calls["fwd"] += 1
+        rep = qp.shape[1] // kp.shape[1]
+        s = (qp @ kp.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+        L = qp.shape[2]
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        return s.softmax(-1) @ vp.repeat_interleave(rep, 1), s.logsumexp(-1)[..., None]
+
+    def cudnn_backward(*a, **kw):
+        calls["bwd"] += 1
+        return refuse()
+
+    monkeypatch.setattr(chunked, "_cudnn_attention", refuse if refuses == "forward" else cudnn_forward)
+    monkeypatch.setattr(chunked, "_cudnn_attention_backward", cudnn_backward)
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 4, 20, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 20, 16, generator=g) for _ in range(2))
+
+    def run():
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = chunked_causal_attention(*xs, 8)
+        return [out.detach(), *torch.autograd.grad(out, xs, do)]
+
+    with pytest.warns(RuntimeWarning, match="cuDNN refused a piece") as caught:
+        got = run()
+    assert len(chunked.CUDNN_REFUSED) == 2  # the two whole chunks as a batch, the last chunk of 4
+    # a forward that fell back has no cuDNN statistics: its backward never tried cuDNN
+    assert calls["bwd"] == (0 if refuses == "forward" else 2), calls
+    assert len([w for w in caught if "cuDNN refused" in str(w.message)]) == 2
+    monkeypatch.setattr(chunked, "uses_cudnn", lambda q, k, v: False)
+    want = run()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    # the next call skips cuDNN for those pieces: no second warning, no second attempt
+    monkeypatch.setattr(chunked, "uses_cudnn", lambda q, k, v: True)
+    before = dict(calls)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = run()
+    assert calls == before
+    torch.testing.assert_close(again[1], want[1], rtol=1e-5, atol=1e-6)
+
+    # a CUDA error is a fault, not a refusal: raised
+    monkeypatch.setattr(chunked, "CUDNN_REFUSED", {})
+    monkeypatch.setattr(chunked, "_cudnn_attention",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: an illegal memory access")))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        chunked_causal_attention(q, k, v, 8)
+
+
 def test_a_bad_call_names_the_op_and_the_shapes():
     q = torch.randn(1, 4, 10, 16)
     with pytest.raises(FxFuseContractError, match=r"chunked_causal_attention.*S == Skv.*\[1, 4, 10, 16\]"):

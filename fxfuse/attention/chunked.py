@@ -24,6 +24,8 @@ Dispatch: CUDA, bf16 / fp16, equal head dims <= 128 (a multiple of 8) and cuDNN'
 attention forward and backward (``aten._scaled_dot_product_cudnn_attention[_backward]``, which take the kv heads
 of GQA as they are); anything else -> ``scaled_dot_product_attention`` per piece on dense tensors, kv heads
 repeated, whose backward recomputes the piece's forward under autograd (one more forward). ``FXFUSE_CHUNKED_ATTENTION_IMPL=sdpa`` forces the second path.
+A piece cuDNN refuses at run time (an error, such as a cuDNN build with no plan for it) runs the second path from
+then on, with one warning per piece shape (:data:`CUDNN_REFUSED`); a CUDA error is raised.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from torch import Tensor
 from fxfuse.autocast import register_autocast_casts
 from fxfuse.errors import FxFuseContractError
 
-__all__ = ["OP_NAME", "BACKWARD_OP_NAME", "chunk_pieces", "chunked_causal_attention", "uses_cudnn"]
+__all__ = ["OP_NAME", "BACKWARD_OP_NAME", "CUDNN_REFUSED", "chunk_pieces", "chunked_causal_attention", "uses_cudnn"]
 
 OP_NAME = "fxfuse::chunked_causal_attention"
 BACKWARD_OP_NAME = "fxfuse::chunked_causal_attention_backward"
@@ -151,6 +153,64 @@ def _cudnn_piece(cudnn: bool, length: int) -> bool:
     return cudnn and length > 1
 
 
+#: Piece signatures cuDNN refused at run time -> its error. Such pieces run the SDPA path from then on, forward and
+#: backward: a forward that fell back saved no cuDNN statistics, so its backward must recompute (it finds the
+#: signature here, added before the forward returned). Filled by :func:`_refused`; tests clear it.
+CUDNN_REFUSED = {}
+
+
+def _piece_signature(qp: Tensor, kp: Tensor) -> tuple:
+    return (qp.device, qp.dtype, tuple(qp.shape), tuple(qp.stride()), tuple(kp.shape), tuple(kp.stride()))
+
+
+def _refused(signature: tuple, err: RuntimeError) -> None:
+    """Record cuDNN's refusal of a piece (a cuDNN build without a plan for this shape or layout: an error, not a
+    fault) and say so once per signature. A CUDA error (a fault that leaves the context unusable) is raised."""
+    if "CUDA error" in str(err):
+        raise err
+    import warnings
+
+    CUDNN_REFUSED[signature] = str(err)
+    warnings.warn(f"fxfuse::chunked_causal_attention: cuDNN refused a piece (q {list(signature[2])}, k "
+                  f"{list(signature[4])}, {signature[1]}): {str(err)[:300]}; such pieces run SDPA from now on, "
+                  f"their backward recomputing the forward", RuntimeWarning, stacklevel=3)
+
+
+def _cudnn_forward(qp: Tensor, kp: Tensor, vp: Tensor, scale: float):
+    """(out, lse) from cuDNN's fused causal attention, or None where cuDNN refuses this piece (now or before)."""
+    sig = _piece_signature(qp, kp)
+    if sig in CUDNN_REFUSED:
+        return None
+    try:
+        return _cudnn_attention(qp, kp, vp, scale)
+    except RuntimeError as e:
+        _refused(sig, e)
+        return None
+
+
+def _cudnn_backward(dop, qp, kp, vp, op_, lp, length, scale):
+    """(dq, dk, dv) from cuDNN's backward, or None where it refuses this piece (now or before)."""
+    sig = _piece_signature(qp, kp)
+    if sig in CUDNN_REFUSED:
+        return None
+    seed, offset = _no_dropout_seeds(qp.device)
+    try:
+        return _cudnn_attention_backward(dop, qp, kp, vp, op_, lp, seed, offset, length, scale)
+    except RuntimeError as e:
+        _refused(sig, e)
+        return None
+
+
+def _cudnn_attention(qp, kp, vp, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(qp, kp, vp, None, True, 0.0, True, False,
+                                                              scale=scale)[:2]
+
+
+def _cudnn_attention_backward(dop, qp, kp, vp, op_, lp, seed, offset, length, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dop, qp, kp, vp, op_, lp, seed, offset, None, None, None, length, length, 0.0, True, scale=scale)
+
+
 def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> Tuple[Tensor, Tensor]:
     _check(q, k, v, size)
     B, H, S, _ = q.shape
@@ -160,9 +220,9 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> T
     outs, lses = [], []
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp = (_piece(t, start, n, length) for t in (q, k, v))
-        if _cudnn_piece(cudnn, length):
-            o, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qp, kp, vp, None, True, 0.0, True, False, scale=scale)[:2]
+        got = _cudnn_forward(qp, kp, vp, scale) if _cudnn_piece(cudnn, length) else None
+        if got is not None:
+            o, lse = got
             lse = lse.reshape(B * n, H, length)
         else:
             o = _sdpa_piece(qp, kp, vp, scale)
@@ -181,14 +241,15 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     grads = ([], [], [])
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp, dop = (_piece(t, start, n, length) for t in (q, k, v, dout))
+        got = None
         if _cudnn_piece(cudnn, length):
             op_ = _piece(out, start, n, length)
             lp = lse[:, :, start:start + n * length].reshape(B, H, n, length).transpose(1, 2)
             lp = lp.reshape(B * n, H, length, 1).contiguous()
-            seed, offset = _no_dropout_seeds(q.device)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dop, qp, kp, vp, op_, lp, seed, offset, None, None, None, length, length, 0.0, True, scale=scale)
-        else:  # recompute the piece's forward under autograd
+            got = _cudnn_backward(dop, qp, kp, vp, op_, lp, length, scale)
+        if got is not None:
+            dq, dk, dv = got
+        else:  # recompute the piece's forward under autograd (also where cuDNN refused the piece)
             with torch.enable_grad():
                 leaves = [t.detach().contiguous().requires_grad_() for t in (qp, kp, vp)]
                 o = _sdpa_piece(*leaves, scale)
