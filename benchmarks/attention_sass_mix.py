@@ -7,7 +7,8 @@ instructions out of the forward's softmax, and neither paid; what bounds the loo
 execute, not guessed. Registers, spills and shared memory come with each kernel.
 
 Run (device): PYTHONPATH=. python3 benchmarks/attention_sass_mix.py   (rows to $OUT/attention_sass_mix.jsonl, each
-kernel's SASS to $OUT/sass/<kernel>-<variant>.sass)
+kernel's SASS in $OUT/attention_sass.tar.gz as sass/<kernel>-<variant>.sass). ``parse`` / ``loops`` / ``mix`` also
+read a saved listing offline.
 """
 from __future__ import annotations
 
@@ -37,17 +38,34 @@ CLASSES = {
     "ULEA": "uniform", "UISETP": "uniform", "ULOP3": "uniform", "USEL": "uniform", "UIMAD": "uniform",
     "BRA": "branch", "EXIT": "branch", "BSSY": "branch", "BSYNC": "branch", "CALL": "branch", "RET": "branch",
     "NOP": "nop", "PRMT": "int", "P2R": "int", "R2P": "int", "CS2R": "move", "S2R": "move", "S2UR": "uniform",
-    "PLOP3": "int", "VOTE": "int", "FRND": "fp32", "POPC": "int",
+    "PLOP3": "int", "VOTE": "int", "FRND": "fp32", "POPC": "int", "VIADD": "int", "SGXT": "int", "LDC": "uniform",
+    "STL": "local", "LDL": "local", "HFMA2": "fp16x2", "HADD2": "fp16x2", "HMUL2": "fp16x2", "F2FP": "convert",
+    "FMUL2": "fp32", "VIMNMX": "int", "IABS": "int",
 }
-_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]*)?\s*([^;]*);")
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Za-z0-9_.]*)?\s*([^;]*);")
+# Triton's own SASS listing: "<control codes>\t[@P0 ]OPCODE[.mods] operands;" lines and "LBBn:" labels
+_CTRL = re.compile(r"^[-0-9a-fA-FY:]+\t(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Za-z0-9_.]*)?\s*([^;]*);")
+_LABEL = re.compile(r"^(\.?L\w+):")
 
 
 def parse(sass: str):
-    """[(address, opcode, operands)] of the kernel's instructions."""
-    out = []
-    for m in _LINE.finditer(sass):
-        out.append((int(m.group(1), 16), m.group(3), m.group(5)))
-    return out
+    """[(position, opcode, operands)] of the kernel's instructions, and {label: position}. Positions are
+    cuobjdump's addresses, or the instruction's index in Triton's own listing."""
+    out, labels = [], {}
+    if _LINE.search(sass):
+        for m in _LINE.finditer(sass):
+            out.append((int(m.group(1), 16), m.group(3), m.group(5)))
+        return out, labels
+    for line in sass.splitlines():
+        line = line.strip()
+        lab = _LABEL.match(line)
+        if lab:
+            labels[lab.group(1)] = len(out)
+            continue
+        m = _CTRL.match(line)
+        if m:
+            out.append((len(out), m.group(2), m.group(4)))
+    return out, labels
 
 
 def mix(instrs):
@@ -55,23 +73,20 @@ def mix(instrs):
     return dict(sorted(c.items(), key=lambda kv: -kv[1]))
 
 
-def hottest_loop(instrs):
-    """The longest [target, branch] address range of a backward branch: the main loop's body."""
-    best = []
-    addrs = [a for a, _, _ in instrs]
-    for i, (a, op, args) in enumerate(instrs):
+def loops(instrs, labels):
+    """The innermost loops' bodies (a backward branch's [target, branch] range holding no other backward branch),
+    longest first: a kernel's tile loops."""
+    spans = []
+    for pos, op, args in instrs:
         if op != "BRA":
             continue
         m = re.search(r"0x([0-9a-f]+)", args)
-        if not m:
-            continue
-        tgt = int(m.group(1), 16)
-        if tgt < a:
-            body = [x for x in instrs if tgt <= x[0] <= a]
-            if len(body) > len(best):
-                best = body
-    del addrs
-    return best
+        tgt = int(m.group(1), 16) if m else labels.get(args.strip().strip("`()"))
+        if tgt is not None and tgt < pos:
+            spans.append((tgt, pos))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    found = [[x for x in instrs if a <= x[0] <= b] for a, b in inner]
+    return sorted(found, key=len, reverse=True)
 
 
 def run_kernels():
@@ -95,7 +110,7 @@ def main():
     os.makedirs(os.path.join(OUT, "sass"), exist_ok=True)
     for fn in (forward._attn_fwd, backward._attn_bwd_dkdv, backward._attn_bwd_dq):
         for dev_cache in fn.device_caches.values():
-            for i, k in enumerate(dev_cache[0].values()):
+            for i, (cache_key, k) in enumerate(dev_cache[0].items()):
                 try:
                     sass = k.asm["sass"]
                 except Exception as e:  # no cuobjdump: say so
@@ -105,14 +120,17 @@ def main():
                 tag = f"{fn.__name__}-{i}"
                 with open(os.path.join(OUT, "sass", tag + ".sass"), "w") as f:
                     f.write(sass)
-                instrs = parse(sass)
-                loop = hottest_loop(instrs)
+                instrs, labels = parse(sass)
+                found = loops(instrs, labels)
+                loop = found[0] if found else []
                 row = dict(kernel=fn.__name__, variant=i, regs=getattr(k, "n_regs", None),
                            spills=getattr(k, "n_spills", None), smem=k.metadata.shared,
                            warps=k.metadata.num_warps, stages=k.metadata.num_stages,
                            constants={str(a): v for a, v in (c.items() if isinstance(c, dict) else [])
                                       if str(a).isupper() or "BLOCK" in str(a)},
+                           cache_key=str(cache_key)[-600:],  # the specialisation: which constexprs
                            instructions=len(instrs), mix=mix(instrs), loop_len=len(loop), loop_mix=mix(loop),
+                           loops=[(len(x), mix(x)) for x in found[:4]],
                            loop_mufu_per_mma=round(sum(1 for _, o, _ in loop if o == "MUFU")
                                                    / max(1, sum(1 for _, o, _ in loop if o == "HGMMA")), 2))
                 with open(os.path.join(OUT, "attention_sass_mix.jsonl"), "a") as f:
@@ -123,3 +141,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    import shutil  # one archive: the device returns a limited number of files
+    shutil.make_archive(os.path.join(OUT, "attention_sass"), "gztar", OUT, "sass")
+    shutil.rmtree(os.path.join(OUT, "sass"))
