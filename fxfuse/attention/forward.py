@@ -70,37 +70,6 @@ if HAVE_TRITON:
             m_i = m_new
         return acc, l_i, m_i
 
-    @triton.jit
-    def _softmax_pv(acc, l_i, m_i, qk, v_ptrs, out_mul, DOT_FP32: tl.constexpr):
-        # one interior tile's online-softmax step (every score kept: m stays finite)
-        s2 = qk * out_mul
-        m_new = tl.maximum(m_i, tl.max(s2, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs)
-        acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)
-        return acc, l_i, m_new
-
-    @triton.jit
-    def _fwd_interior_lookahead(acc, l_i, m_i, q, K_blk, V_blk, offs_n0, lo, hi, stride_kn, stride_vn, out_mul,
-                                BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
-        # The interior tiles with the next tile's scores computed before this tile's softmax: the next q.k^T has no
-        # dependence on the softmax, so its MMA can run while the softmax does (FlashAttention-3's intra-warpgroup
-        # overlap; whether Triton keeps that MMA in flight is what the benchmark measures). No masks: interior only.
-        if hi > lo:
-            k = tl.load(K_blk + (lo + offs_n0)[:, None] * stride_kn)
-            qk = dot(q, tl.trans(k), DOT_FP32)
-            for start_n in range(lo, hi - BLOCK_N, BLOCK_N):
-                k = tl.load(K_blk + (start_n + BLOCK_N + offs_n0)[:, None] * stride_kn)
-                qk_next = dot(q, tl.trans(k), DOT_FP32)
-                acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, V_blk + (start_n + offs_n0)[:, None] * stride_vn,
-                                            out_mul, DOT_FP32)
-                qk = qk_next
-            acc, l_i, m_i = _softmax_pv(acc, l_i, m_i, qk, V_blk + (hi - BLOCK_N + offs_n0)[:, None] * stride_vn,
-                                        out_mul, DOT_FP32)
-        return acc, l_i, m_i
-
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
     def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, O, LSE, VMEAN,
                   stride_qb, stride_qh, stride_qm, stride_qd,
@@ -114,7 +83,7 @@ if HAVE_TRITON:
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
-                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, LOOKAHEAD: tl.constexpr):
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
@@ -156,15 +125,10 @@ if HAVE_TRITON:
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                                    HAS_KVV)
-        # interior [b, c): the lookahead loop where no interior tile needs any mask (LOOKAHEAD, launching's switch)
-        if LOOKAHEAD and MID_MASK == 0 and not HAS_KVV and SOFTCAP == 0 and D_MASK == 0:
-            acc, l_i, m_i = _fwd_interior_lookahead(acc, l_i, m_i, q, K_blk, V_blk, offs_n0, b_, c_, stride_kn,
-                                                    stride_vn, out_mul, BLOCK_N, DOT_FP32)
-        else:
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                       stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                                       kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                                       HAS_KVV)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
+                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+                                   HAS_KVV)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
@@ -227,8 +191,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, LOOKAHEAD=launching.FWD_LOOKAHEAD,
-                    num_warps=nw, num_stages=ns))
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)

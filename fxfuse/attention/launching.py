@@ -15,7 +15,6 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -26,7 +25,7 @@ from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "FWD_LOOKAHEAD",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -157,7 +156,7 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
     m = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, scaling, softcap, causal, window, masked_rows, dr, kv, m, BLOCK_MAJOR_GRID, FAST_TANH,
-            FWD_LOOKAHEAD, FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
+            FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
 
 
 # Key flags, a pair of launches: the kernels' flag-reading variant (HAS_KVV) holds more registers, and at head dim
@@ -233,10 +232,6 @@ def needs_int64(*tensors) -> bool:
 # are MUFU-heavy: tanh and exp2 per score, in the forward and in each backward recompute). fp32 keeps the exact
 # formula (its 1e-4 tolerance is below tanh.approx's error); the interpreter cannot run inline PTX.
 FAST_TANH = True
-
-# The forward's interior tiles with the next tile's q.k^T issued before this tile's softmax
-# (forward._fwd_interior_lookahead); FXFUSE_ATTENTION_FWD_LOOKAHEAD=1 at import.
-FWD_LOOKAHEAD = os.environ.get("FXFUSE_ATTENTION_FWD_LOOKAHEAD", "0") == "1"
 
 
 def softcap_mode(softcap, dtype) -> int:
