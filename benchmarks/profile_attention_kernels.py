@@ -32,10 +32,15 @@ def emit(**row):
     print(json.dumps(row), flush=True)
 
 
-def flops_fwd(S, D, Hq, layout, docs=8):
+def n_docs(layout):
+    """docsN: N equal packed documents (docs8: 8)."""
+    return int(layout[4:]) if layout.startswith("docs") else 1
+
+
+def flops_fwd(S, D, Hq, layout):
     """Forward matmul flops of the kept scores (causal: half; docs: each document's causal half)."""
     full = 4 * S * S * D * Hq
-    return full / 2 / (docs if layout.startswith("docs") else 1)
+    return full / 2 / n_docs(layout)
 
 
 def median_ms(fn, rep_ms=200):
@@ -53,7 +58,8 @@ def fxfuse_parts(S, D, layout, q, k, v, do, config=None):
     from fxfuse.attention.backward import attention_bwd_triton
     from fxfuse.attention.forward import attention_fwd_triton
     from fxfuse.ops import document_ranges
-    dr = document_ranges(torch.arange(S, device="cuda")[None] // (S // 8)) if layout == "docs8" else None
+    dr = (document_ranges(torch.arange(S, device="cuda")[None] // (S // n_docs(layout)))
+          if layout.startswith("docs") else None)
     sc = D ** -0.5
     out, lse = attention_fwd_triton(q, k, v, None, sc, 0.0, True, 0, config=config, doc_ranges=dr)
     fwd = lambda: attention_fwd_triton(q, k, v, None, sc, 0.0, True, 0, config=config, doc_ranges=dr)

@@ -22,7 +22,7 @@ from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         plan_key, recipe_args, recipe_tensors, row_launches, score_scalars, softcap_mode)
 from .reference import expand_mask, value_mean
-from .scores import dot, dot_acc, load_tile, masked_scores
+from .scores import dot, dot_acc, load_tile, masked_scores, row_key_bounds
 
 __all__ = ["attention_fwd_triton"]
 
@@ -37,9 +37,13 @@ if HAVE_TRITON:
                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                    BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
+                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr, ROW_BOUNDS: tl.constexpr):
         # interior tiles lie inside the row's valid-key span: key padding is read there only if it has holes
         kv_check = 1 if BOUNDARY else kv_holes
+        if BOUNDARY and ROW_BOUNDS:  # each query's key range, once for all its key blocks
+            klo, khi = row_key_bounds(offs_m[:, None], S, SKV, OFF, window, DST, IS_CAUSAL, HAS_WINDOW, HAS_DOCS)
+        else:
+            klo, khi = 0, 0
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             if BOUNDARY:
@@ -55,7 +59,7 @@ if HAVE_TRITON:
             qk = dot(q, tl.trans(k), DOT_FP32)
             s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
-                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV)
+                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV, klo, khi, ROW_BOUNDS)
             m_new = tl.maximum(m_i, tl.max(s2, 1))
             if BOUNDARY or MASK_KIND != 0 or HAS_KVV:
                 # a row with nothing kept so far has m = -inf: subtract 0 instead (exp2(-inf - 0) = 0, no NaN)
@@ -83,7 +87,7 @@ if HAVE_TRITON:
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
-                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr):
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, ROW_BOUNDS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
@@ -124,15 +128,15 @@ if HAVE_TRITON:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV)
+                                   HAS_KVV, ROW_BOUNDS)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV)
+                                   HAS_KVV, ROW_BOUNDS)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV)
+                                   HAS_KVV, ROW_BOUNDS)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
         if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
@@ -191,7 +195,8 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, num_warps=nw, num_stages=ns))
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS,
+                    num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)

@@ -15,6 +15,7 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
 """
 from __future__ import annotations
 
+import os
 
 import torch
 
@@ -25,7 +26,7 @@ from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -156,7 +157,7 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
     m = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, scaling, softcap, causal, window, masked_rows, dr, kv, m, BLOCK_MAJOR_GRID, FAST_TANH,
-            FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
+            ROW_BOUNDS, FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
 
 
 # Key flags, a pair of launches: the kernels' flag-reading variant (HAS_KVV) holds more registers, and at head dim
@@ -232,6 +233,10 @@ def needs_int64(*tensors) -> bool:
 # are MUFU-heavy: tanh and exp2 per score, in the forward and in each backward recompute). fp32 keeps the exact
 # formula (its 1e-4 tolerance is below tanh.approx's error); the interpreter cannot run inline PTX.
 FAST_TANH = True
+
+# Boundary tiles mask from each query's precomputed key range (scores.row_key_bounds: two compares a score) instead
+# of every index mask in turn; FXFUSE_ATTENTION_ROW_BOUNDS=1 at import.
+ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "0") == "1"
 
 
 def softcap_mode(softcap, dtype) -> int:

@@ -21,7 +21,7 @@ from fxfuse.kernels.triton_support import HAVE_TRITON, tanh_approx, tl, triton
 
 from .conventions import MASKED_BELOW
 
-__all__ = ["MASKED_BELOW_C", "tanh_exp2", "dot", "dot_acc", "load_tile", "masked_scores"]
+__all__ = ["MASKED_BELOW_C", "tanh_exp2", "dot", "dot_acc", "load_tile", "masked_scores", "row_key_bounds"]
 
 if HAVE_TRITON:
     # MASKED_BELOW as a Triton constant: a @triton.jit function reads a module global only if it is a tl.constexpr.
@@ -74,10 +74,28 @@ if HAVE_TRITON:
             return qk * out_mul, qk
 
     @triton.jit
+    def row_key_bounds(qi, S, SKV, OFF, window, DST, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                       HAS_DOCS: tl.constexpr):
+        """(first, last) key each query ``qi`` may attend under the index masks (the sequence ends, causal, the
+        window, its document), as tensors of qi's shape; a query past S gets first 0, last -1 (nothing). The
+        boundary tiles then test two bounds per score instead of every mask (ROW_BOUNDS); the forward and dQ
+        loops compute them once per query block."""
+        lo = tl.zeros_like(qi)
+        hi = tl.where(qi < S, SKV - 1, -1)
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, qi + OFF)
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, qi + OFF - window + 1)
+        if HAS_DOCS:
+            lo = tl.maximum(lo, tl.load(DST + qi, mask=qi < S, other=0))
+        return lo, hi
+
+    @triton.jit
     def masked_scores(qk, sc_mul, out_mul, mptrs, qi, ki, S, SKV, OFF, window, DST, KVV, KV_CHECK,
                       SOFTCAP: tl.constexpr,
                       MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      BOUNDARY: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
+                      BOUNDARY: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
+                      KLO, KHI, ROW_BOUNDS: tl.constexpr):
         """(s2, t) of one score tile with every mask applied. ``qi``/``ki`` are the query/key indices broadcast
         to the tile's shape, so the forward and dQ loops (queries x keys) and the dK/dV loop (keys x queries)
         share this. Causal/window/out-of-range masking is needed only on BOUNDARY tiles; interior tiles are
@@ -90,7 +108,9 @@ if HAVE_TRITON:
             if KV_CHECK:  # key padding (a [Skv] vector of this batch row): O(BLOCK) bytes
                 kv_ok = tl.load(KVV + ki, mask=ki < SKV, other=0)
                 s2 = tl.where(kv_ok != 0, s2, float("-inf"))
-        if BOUNDARY:
+        if BOUNDARY and ROW_BOUNDS:  # the same masks from each query's precomputed key range (row_key_bounds)
+            s2 = tl.where((ki >= KLO) & (ki <= KHI), s2, float("-inf"))
+        elif BOUNDARY:
             ok = (qi < S) & (ki < SKV)
             if IS_CAUSAL:
                 ok = ok & (ki <= qi + OFF)
@@ -114,4 +134,4 @@ if HAVE_TRITON:
         return s2
 else:  # pragma: no cover
     MASKED_BELOW_C = MASKED_BELOW
-    tanh_exp2 = dot = dot_acc = load_tile = masked_scores = None
+    tanh_exp2 = dot = dot_acc = load_tile = masked_scores = row_key_bounds = None
