@@ -163,6 +163,27 @@ def test_key_span_is_each_rows_first_and_last_valid_key_and_holes():
                               ).tolist()[2] == [1, 6, 0, 0]
 
 
+def test_forward_key_ranges_per_query_mask_like_each_mask_in_turn(monkeypatch):
+    """The forward's boundary tiles masked from each query's precomputed key range (``launching.ROW_BOUNDS``, the
+    default) give the same output and lse as the per-mask form, with documents, a window, a query range longer
+    than the keys' and left / right key padding together (interpreter tiles of 16: many boundary tiles)."""
+    if not HAVE_TRITON or not interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    from fxfuse.attention.forward import attention_fwd_triton
+
+    valid = _padding("left+right", 2, 53)
+    q, k, v, do, ids, keep = _case(2, 4, 2, 53, 16, [[9, 20, 31], [4]], valid, seed=11)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(launching, "ROW_BOUNDS", on)
+        got[on] = attention_fwd_triton(q.detach(), k.detach(), v.detach(), None, 0.3, 0.0, True, 13,
+                                       doc_ranges=document_ranges(ids), key_valid=valid)
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=0, atol=1e-6)
+    ref = attention_reference(q, k, v, keep, 0.3, 0.0, True, 13)
+    torch.testing.assert_close(got[True][0].double(), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("row_pairs", [True, False])
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch, row_pairs):
     """Rows padded by more than a tile at either end (interpreter tiles are 16): the kernels skip those key blocks

@@ -30,7 +30,7 @@ from .conventions import MASKED_ROWS_UNIFORM, MASKED_ROWS_ZERO
 from .launching import (MASK_LENGTHS, config_for, grid, grid_ids, launch_with_fallbacks, mask_args, needs_int64,
                         plan_key, recipe_args, recipe_tensors, row_launches, score_scalars, softcap_mode)
 from .reference import expand_mask, nan_grads_of_dead_rows
-from .scores import dot, dot_acc, load_tile, masked_scores, row_key_bounds, tanh_exp2
+from .scores import dot, dot_acc, load_tile, masked_scores, tanh_exp2
 
 __all__ = ["attention_bwd_triton"]
 
@@ -70,7 +70,7 @@ if HAVE_TRITON:
                         MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                         BOUNDARY: tl.constexpr, DOT_FP32: tl.constexpr, DO_DK: tl.constexpr,
                         DO_DV: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr, ROW_BOUNDS: tl.constexpr):
+                        USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr):
         # transposed formulation (keys on rows): sT = k q^T [BLOCK_N, BLOCK_M]. This kernel holds two fp32
         # [BLOCK_N, Dh] accumulators: every register counts (spills cost it ~20% on the H200), so no q / dO load
         # here takes a bounds mask: interior blocks lie inside the sequence (block_map), boundary blocks go
@@ -100,14 +100,9 @@ if HAVE_TRITON:
             if DO_DK:
                 Di = tl.load(DELTA_h + rows)
             qkT = dot(k, tl.trans(q), DOT_FP32)
-            if BOUNDARY and ROW_BOUNDS:  # the key range of each query of this block ([1, BLOCK_M] vectors)
-                klo, khi = row_key_bounds(offs_m[None, :], S, SKV, OFF, window, DST, IS_CAUSAL, HAS_WINDOW,
-                                          HAS_DOCS)
-            else:
-                klo, khi = 0, 0
             s2, t = masked_scores(qkT, sc_mul, out_mul, M_blk + offs_m[None, :] * stride_mm, offs_m[None, :],
                                   offs_n[:, None], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
-                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV, klo, khi, ROW_BOUNDS)
+                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV, 0, 0, False)
             pT = tl.exp2(s2 - lse2[None, :])
             if DO_DV:
                 dv = dot_acc(pT.to(do.dtype), do, dv, DOT_FP32)
@@ -152,8 +147,7 @@ if HAVE_TRITON:
                        IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
                        DO_DK: tl.constexpr, DO_DV: tl.constexpr, MASK_RANGES: tl.constexpr,
                        BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                       INT64: tl.constexpr, USE_DESC: tl.constexpr, ROWS: tl.constexpr,
-                       ROW_BOUNDS: tl.constexpr):
+                       INT64: tl.constexpr, USE_DESC: tl.constexpr, ROWS: tl.constexpr):
         # DO_DK / DO_DV: at head_dim 256 holding K, V and both fp32 accumulators [BLOCK_N, 256] spills
         # registers; the launcher can split dK and dV into two launches (one extra q.k^T recompute).
         pid_n, bhk = grid_ids(BLOCK_MAJOR, False)
@@ -209,17 +203,17 @@ if HAVE_TRITON:
                                      offs_n, offs_m0, offs_d, lo, b_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, ROW_BOUNDS)
+                                     USE_DESC, BLOCK_D)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, b_, c_, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MID_MASK,
                                      IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, ROW_BOUNDS)
+                                     USE_DESC, BLOCK_D)
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q_blk, DO_blk, Q_DESC, DO_DESC, b, h, M_blk, LSE_h, DELTA_h,
                                      offs_n, offs_m0, offs_d, c_, hi, stride_qm, stride_dom, stride_mm, S, SKV, OFF,
                                      window, sc_mul, out_mul, DST, KVV, kv_check, BLOCK_M, D_MASK, SOFTCAP, MASK_KIND,
                                      IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, DO_DK, DO_DV, HAS_DOCS, HAS_KVV,
-                                     USE_DESC, BLOCK_D, ROW_BOUNDS)
+                                     USE_DESC, BLOCK_D)
         if DO_DK:
             dk = dk * scaling
             tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn
@@ -233,13 +227,8 @@ if HAVE_TRITON:
                       stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                       BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                      DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                      ROW_BOUNDS: tl.constexpr):
+                      DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
         kv_check = 1 if BOUNDARY else kv_holes  # as in the forward's loops
-        if BOUNDARY and ROW_BOUNDS:  # each query's key range, once for all its key blocks
-            klo, khi = row_key_bounds(offs_m[:, None], S, SKV, OFF, window, DST, IS_CAUSAL, HAS_WINDOW, HAS_DOCS)
-        else:
-            klo, khi = 0, 0
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
             if BOUNDARY:
@@ -256,7 +245,7 @@ if HAVE_TRITON:
             qk = dot(q, tl.trans(k), DOT_FP32)
             s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
-                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV, klo, khi, ROW_BOUNDS)
+                                  IS_CAUSAL, HAS_WINDOW, BOUNDARY, HAS_DOCS, HAS_KVV, 0, 0, False)
             p = tl.exp2(s2 - lse2[:, None])
             dp = dot(do, tl.trans(v), DOT_FP32)
             ds = p * (dp - Di[:, None])
@@ -279,7 +268,7 @@ if HAVE_TRITON:
                      SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                      BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                     INT64: tl.constexpr, ROWS: tl.constexpr, ROW_BOUNDS: tl.constexpr):
+                     INT64: tl.constexpr, ROWS: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches (launching.ROW_PAIRS)
@@ -319,15 +308,15 @@ if HAVE_TRITON:
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                           HAS_KVV, ROW_BOUNDS)
+                           HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                           HAS_KVV, ROW_BOUNDS)
+                           HAS_KVV)
         dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                           HAS_KVV, ROW_BOUNDS)
+                           HAS_KVV)
         dq = dq * scaling
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -510,7 +499,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     sc_mul, out_mul = score_scalars(scaling, softcap)
     common = dict(HEAD_DIM=Dh, BLOCK_D=BLOCK_D, SOFTCAP=softcap_mode(softcap, q.dtype), MASK_KIND=kind,
                   IS_CAUSAL=bool(causal),
-                  HAS_WINDOW=bool(window), DOT_FP32=dot32, ROW_BOUNDS=launching.ROW_BOUNDS)
+                  HAS_WINDOW=bool(window), DOT_FP32=dot32)
     ranges = use_mask_ranges(kind, causal, window)
     _, sdb, sde, _, skb, _, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse, (docs, kvv, span))
     key = (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs, has_kvv)

@@ -234,9 +234,12 @@ def needs_int64(*tensors) -> bool:
 # formula (its 1e-4 tolerance is below tanh.approx's error); the interpreter cannot run inline PTX.
 FAST_TANH = True
 
-# Boundary tiles mask from each query's precomputed key range (scores.row_key_bounds: two compares a score) instead
-# of every index mask in turn; FXFUSE_ATTENTION_ROW_BOUNDS=1 at import.
-ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "0") == "1"
+# The forward's boundary tiles mask from each query's key range, computed once per query block
+# (scores.row_key_bounds: two compares a score, the document starts read once) instead of every index mask per
+# tile. H200, 32k tokens (benchmarks/attention_notes.md, thirty-fifth session): forward 2.5-7% faster on packed
+# documents of 64-256 tokens, level elsewhere. The backward kernels keep the per-mask form: the same change there
+# made Dh 64 with 8 documents 21% slower. FXFUSE_ATTENTION_ROW_BOUNDS=0 at import turns it off.
+ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
 
 
 def softcap_mode(softcap, dtype) -> int:

@@ -78,8 +78,8 @@ if HAVE_TRITON:
                        HAS_DOCS: tl.constexpr):
         """(first, last) key each query ``qi`` may attend under the index masks (the sequence ends, causal, the
         window, its document), as tensors of qi's shape; a query past S gets first 0, last -1 (nothing). The
-        boundary tiles then test two bounds per score instead of every mask (ROW_BOUNDS); the forward and dQ
-        loops compute them once per query block."""
+        boundary tiles then test two bounds per score instead of every mask (ROW_BOUNDS); the forward's loops
+        compute them once per query block (the backward kernels keep the per-mask form: launching.ROW_BOUNDS)."""
         lo = tl.zeros_like(qi)
         hi = tl.where(qi < S, SKV - 1, -1)
         if IS_CAUSAL:
