@@ -39,7 +39,7 @@ CLASSES = {
     "BRA": "branch", "EXIT": "branch", "BSSY": "branch", "BSYNC": "branch", "CALL": "branch", "RET": "branch",
     "NOP": "nop", "PRMT": "int", "P2R": "int", "R2P": "int", "CS2R": "move", "S2R": "move", "S2UR": "uniform",
     "PLOP3": "int", "VOTE": "int", "FRND": "fp32", "POPC": "int", "VIADD": "int", "SGXT": "int", "LDC": "uniform",
-    "STL": "local", "LDL": "local", "HFMA2": "fp16x2", "HADD2": "fp16x2", "HMUL2": "fp16x2", "F2FP": "convert",
+    "STL": "local", "LDL": "local", "HFMA2": "fp16x2", "HADD2": "fp16x2", "HMUL2": "fp16x2",
     "FMUL2": "fp32", "VIMNMX": "int", "IABS": "int",
 }
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Za-z0-9_.]*)?\s*([^;]*);")

@@ -90,7 +90,7 @@ def anchor_impls(S, D, layout):
                 with sdpa_kernel([be]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             impls[name] = attn
-    doc = S // 8
+    doc = S // n_docs(layout)
     mod = ((lambda b, h, qi, ki: qi >= ki) if layout == "causal"
            else (lambda b, h, qi, ki: (qi >= ki) & (qi // doc == ki // doc)))
     bm = create_block_mask(mod, None, None, S, S, device="cuda", _compile=True)

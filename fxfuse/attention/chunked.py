@@ -176,26 +176,14 @@ def _refused(signature: tuple, err: RuntimeError) -> None:
                   f"their backward recomputing the forward", RuntimeWarning, stacklevel=3)
 
 
-def _cudnn_forward(qp: Tensor, kp: Tensor, vp: Tensor, scale: float):
-    """(out, lse) from cuDNN's fused causal attention, or None where cuDNN refuses this piece (now or before)."""
+def _unless_refused(qp: Tensor, kp: Tensor, call, *args):
+    """``call(*args)`` (one of cuDNN's two calls on this piece), or None where cuDNN refuses the piece, now (the
+    refusal is recorded and said) or before."""
     sig = _piece_signature(qp, kp)
     if sig in CUDNN_REFUSED:
         return None
     try:
-        return _cudnn_attention(qp, kp, vp, scale)
-    except RuntimeError as e:
-        _refused(sig, e)
-        return None
-
-
-def _cudnn_backward(dop, qp, kp, vp, op_, lp, length, scale):
-    """(dq, dk, dv) from cuDNN's backward, or None where it refuses this piece (now or before)."""
-    sig = _piece_signature(qp, kp)
-    if sig in CUDNN_REFUSED:
-        return None
-    seed, offset = _no_dropout_seeds(qp.device)
-    try:
-        return _cudnn_attention_backward(dop, qp, kp, vp, op_, lp, seed, offset, length, scale)
+        return call(*args)
     except RuntimeError as e:
         _refused(sig, e)
         return None
@@ -220,7 +208,7 @@ def _forward_impl(q: Tensor, k: Tensor, v: Tensor, size: int, scale: float) -> T
     outs, lses = [], []
     for start, n, length in chunk_pieces(S, size):
         qp, kp, vp = (_piece(t, start, n, length) for t in (q, k, v))
-        got = _cudnn_forward(qp, kp, vp, scale) if _cudnn_piece(cudnn, length) else None
+        got = _unless_refused(qp, kp, _cudnn_attention, qp, kp, vp, scale) if _cudnn_piece(cudnn, length) else None
         if got is not None:
             o, lse = got
             lse = lse.reshape(B * n, H, length)
@@ -246,7 +234,9 @@ def _backward_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
             op_ = _piece(out, start, n, length)
             lp = lse[:, :, start:start + n * length].reshape(B, H, n, length).transpose(1, 2)
             lp = lp.reshape(B * n, H, length, 1).contiguous()
-            got = _cudnn_backward(dop, qp, kp, vp, op_, lp, length, scale)
+            seed, offset = _no_dropout_seeds(q.device)
+            got = _unless_refused(qp, kp, _cudnn_attention_backward, dop, qp, kp, vp, op_, lp, seed, offset, length,
+                                  scale)
         if got is not None:
             dq, dk, dv = got
         else:  # recompute the piece's forward under autograd (also where cuDNN refused the piece)
