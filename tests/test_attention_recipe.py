@@ -184,6 +184,48 @@ def test_forward_key_ranges_per_query_mask_like_each_mask_in_turn(monkeypatch):
     torch.testing.assert_close(got[True][0].double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_forward_tma_tiles_read_like_pointer_tiles(monkeypatch):
+    """K / V tiles through tensor descriptors (``launching.FWD_TMA``, the default) give the pointer tiles' output
+    and lse: keys past the end and head-dim padding read as 0 without a bounds mask. Head dim 24 (tiles of 32),
+    k / v in HF's [B, S, H, D] layout (strided heads), a ragged length, documents, a window and key padding; then
+    a mask tensor over more keys than queries. The descriptors must really be taken (a spy on the launcher)."""
+    if not HAVE_TRITON or not interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    from fxfuse.attention import forward
+
+    made = []
+
+    def spy(t, block_shape):
+        d = tile_descriptor(t, block_shape)
+        made.append(d is not None)
+        return d
+
+    tile_descriptor = forward.tile_descriptor
+    monkeypatch.setattr(forward, "tile_descriptor", spy)
+    valid = _padding("left+right", 2, 53)
+    q, k, v, do, ids, keep = _case(2, 4, 2, 53, 24, [[9, 20, 31], [4]], valid, seed=12)
+    k_hf, v_hf = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    assert k_hf.stride(1) == 24 and k_hf.stride(2) == 48  # heads inside a token: HF's layout after .transpose
+    g = torch.Generator().manual_seed(3)
+    mq = torch.randn(2, 4, 29, 24, generator=g)
+    mk, mv = torch.randn(2, 2, 61, 24, generator=g), torch.randn(2, 2, 61, 24, generator=g)
+    keep_m = torch.rand(2, 1, 29, 61, generator=g) > 0.3
+    cases = {"recipe": ((q.detach(), k_hf, v_hf, None, 0.3, 0.0, True, 13),
+                        dict(doc_ranges=document_ranges(ids), key_valid=valid), keep, (q, k, v)),
+             "mask": ((mq, mk, mv, keep_m, 0.25, 0.0, False, 0), {}, keep_m, (mq, mk, mv))}
+    for name, (args, kw, keep_ref, (rq, rk, rv)) in cases.items():
+        got = {}
+        for on in (False, True):
+            made.clear()
+            monkeypatch.setattr(launching, "FWD_TMA", on)
+            got[on] = forward.attention_fwd_triton(*args, **kw)
+            assert made == ([True, True] if on else []), (name, made)
+        torch.testing.assert_close(got[True][0], got[False][0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(got[True][1], got[False][1], rtol=0, atol=1e-6)
+        ref = attention_reference(rq, rk, rv, keep_ref, args[4], 0.0, args[6], args[7])
+        torch.testing.assert_close(got[True][0].double(), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("row_pairs", [True, False])
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch, row_pairs):
     """Rows padded by more than a tile at either end (interpreter tiles are 16): the kernels skip those key blocks

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fxfuse.kernels.launch_cache import PlanCache, Recorder
-from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
+from fxfuse.kernels.launch_cache import PlanCache, Recorder, rebase_descriptor
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import launching
 from .block_map import mask_block_ranges_of, q_block_key_ranges_of, row_skipped, use_mask_ranges
@@ -33,11 +33,12 @@ _LENGTHS_ATTN_FWD = MASK_LENGTHS + ['S', 'SKV', 'OFF']
 if HAVE_TRITON:
 
     @triton.jit
-    def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
-                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
+    def _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo,
+                   hi, stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                    BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr, ROW_BOUNDS: tl.constexpr):
+                   DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr, ROW_BOUNDS: tl.constexpr,
+                   USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr):
         # interior tiles lie inside the row's valid-key span: key padding is read there only if it has holes
         kv_check = 1 if BOUNDARY else kv_holes
         if BOUNDARY and ROW_BOUNDS:  # each query's key range, once for all its key blocks
@@ -46,16 +47,22 @@ if HAVE_TRITON:
             klo, khi = 0, 0
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            if BOUNDARY:
-                kv_mask = offs_n[:, None] < SKV
-                if D_MASK:
-                    kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
+            if USE_DESC:
+                # the copy engine: keys past SKV and head-dim padding read as 0 (no bounds mask); coordinates are
+                # 32-bit (each < 2^31 even where the INT64 variant runs; the engine addresses the rest)
+                k = K_DESC.load([tl.cast(b, tl.int32), tl.cast(hk, tl.int32), tl.cast(start_n, tl.int32),
+                                 0]).reshape(BLOCK_N, BLOCK_D)
             else:
-                if D_MASK:
-                    kv_mask = offs_d[None, :] < D_MASK
+                if BOUNDARY:
+                    kv_mask = offs_n[:, None] < SKV
+                    if D_MASK:
+                        kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
                 else:
-                    kv_mask = None
-            k = load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
+                    if D_MASK:
+                        kv_mask = offs_d[None, :] < D_MASK
+                    else:
+                        kv_mask = None
+                k = load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
             qk = dot(q, tl.trans(k), DOT_FP32)
             s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
@@ -69,13 +76,17 @@ if HAVE_TRITON:
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s2 - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
+            if USE_DESC:
+                v = V_DESC.load([tl.cast(b, tl.int32), tl.cast(hk, tl.int32), tl.cast(start_n, tl.int32),
+                                 0]).reshape(BLOCK_N, BLOCK_D)
+            else:
+                v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
             acc = dot_acc(p.to(v.dtype), v, acc * alpha[:, None], DOT_FP32)  # eager: p.to(q.dtype) @ v
             m_i = m_new
         return acc, l_i, m_i
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_FWD)
-    def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, O, LSE, VMEAN,
+    def _attn_fwd(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, O, LSE, VMEAN, K_DESC, V_DESC,
                   stride_qb, stride_qh, stride_qm, stride_qd,
                   stride_kb, stride_kh, stride_kn, stride_kd,
                   stride_vb, stride_vh, stride_vn, stride_vd,
@@ -87,7 +98,8 @@ if HAVE_TRITON:
                   SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
-                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, ROW_BOUNDS: tl.constexpr):
+                  HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, ROW_BOUNDS: tl.constexpr,
+                  USE_DESC: tl.constexpr):
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
@@ -125,18 +137,18 @@ if HAVE_TRITON:
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
                                                OFF, window, DST, KVS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                                MASK_RANGES, HAS_DOCS, HAS_KVV)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, ROW_BOUNDS)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                                   HAS_KVV, ROW_BOUNDS, USE_DESC, BLOCK_D)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, ROW_BOUNDS)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
+                                   HAS_KVV, ROW_BOUNDS, USE_DESC, BLOCK_D)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, ROW_BOUNDS)
+                                   HAS_KVV, ROW_BOUNDS, USE_DESC, BLOCK_D)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
         if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
@@ -151,8 +163,10 @@ if HAVE_TRITON:
 
 
 # Replays of the launch by call signature (fxfuse.kernels.launch_cache): a call whose shapes, strides, dtypes and
-# scalars were seen before skips this module's Python and Triton's binding and launches the recorded binary.
+# scalars were seen before skips this module's Python and Triton's binding and launches the recorded binary. The
+# K / V tile descriptors are rebuilt over each call's own k and v from templates (None where pointer tiles ran).
 _PLANS = PlanCache()
+_DESCRIPTORS = {}
 
 
 def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
@@ -166,10 +180,14 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     docs, kvv, span = recipe_tensors(doc_ranges, key_valid, lse)
     Hkv, Skv = k.shape[1], k.shape[2]
     mt, ms, kind = mask_args(mask, B, Hq, S, Skv, q)
-    roles = (q, k, v, docs, kvv, span, out, lse) + ((mt,) if mask is not None else ())
-    replay = _PLANS.lookup(key, roles)
-    if replay is not None and replay(roles, q.device.index):
-        return out, lse
+    mask_role = (mt,) if mask is not None else ()
+    templates = _DESCRIPTORS.get(key)
+    if templates is not None:
+        descs = tuple(None if t is None else rebase_descriptor(t, x) for t, x in zip(templates, (k, v)))
+        roles = (q, k, v, docs, kvv, span, out, lse, *descs, *mask_role)
+        replay = _PLANS.lookup(key, roles)
+        if replay is not None and replay(roles, q.device.index):
+            return out, lse
 
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
     cfg = config_for("fwd", BLOCK_D, q.dtype, config)
@@ -181,13 +199,20 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     int64 = needs_int64(q, k, v, out, expand_mask(mask, B, Hq, S, Skv))
     rec = Recorder()
 
+    descs = [None, None]
+
     def launch(c):
         BM, BN, nw, ns = c[:4]
+        # K / V tiles through the copy engine where it can address them (launching.FWD_TMA)
+        kd, vd = ((tile_descriptor(k, [1, 1, BN, BLOCK_D]), tile_descriptor(v, [1, 1, BN, BLOCK_D]))
+                  if launching.FWD_TMA else (None, None))
+        use_desc = kd is not None and vd is not None
+        descs[:] = [kd, vd] if use_desc else [None, None]
         with rec.attempt():
             rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN, rec=rec) if ranges else (lse, (0, 0))
             for rows, flags in row_launches(has_kvv):
                 rec.launch(_attn_fwd, grid(triton.cdiv(S, BM), B * Hq), (
-                    q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, *q.stride(), *k.stride(), *v.stride(), *ms,
+                    q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, descs[0], descs[1], *q.stride(), *k.stride(), *v.stride(), *ms,
                     *rs, sdb, sde, skb, ssb, *out.stride(),
                     Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul), dict(
                     HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
@@ -195,10 +220,14 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS,
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS, USE_DESC=use_desc,
                     num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,
                                                          has_kvv), launch)
-    _PLANS.store(key, roles, rec)
+    if key is not None:
+        if len(_DESCRIPTORS) >= _PLANS.max_entries:
+            _DESCRIPTORS.clear()
+        _DESCRIPTORS[key] = tuple(None if d is None else rebase_descriptor(d, None) for d in descs)
+        _PLANS.store(key, (q, k, v, docs, kvv, span, out, lse, *descs, *mask_role), rec)
     return out, lse

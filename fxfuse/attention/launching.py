@@ -26,7 +26,7 @@ from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -157,7 +157,7 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
     m = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, scaling, softcap, causal, window, masked_rows, dr, kv, m, BLOCK_MAJOR_GRID, FAST_TANH,
-            ROW_BOUNDS, FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
+            ROW_BOUNDS, FWD_TMA, FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
 
 
 # Key flags, a pair of launches: the kernels' flag-reading variant (HAS_KVV) holds more registers, and at head dim
@@ -240,6 +240,11 @@ FAST_TANH = True
 # documents of 64-256 tokens, level elsewhere. The backward kernels keep the per-mask form: the same change there
 # made Dh 64 with 8 documents 21% slower. FXFUSE_ATTENTION_ROW_BOUNDS=0 at import turns it off.
 ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
+
+# The forward loads its K / V tiles through the copy engine (TMA tensor descriptors over k and v) where it can
+# address them (fxfuse.kernels.triton_support.tile_addressable; else pointer tiles): rows past the key end and
+# head-dim padding read as 0, so no tile load takes a bounds mask. FXFUSE_ATTENTION_FWD_TMA=0 at import turns it off.
+FWD_TMA = os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1") != "0"
 
 
 def softcap_mode(softcap, dtype) -> int:

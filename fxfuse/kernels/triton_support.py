@@ -69,6 +69,8 @@ def tile_addressable(t, block_shape) -> bool:
     if TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
         return False
     es = t.element_size()
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):  # a broadcast (expanded) dim: not a TMA layout
+        return False
     return not any((st * es) % 16 for st in t.stride()[:-1]) and block_shape[-1] * es >= 16
 
 
