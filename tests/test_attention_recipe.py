@@ -185,8 +185,8 @@ def test_forward_key_ranges_per_query_mask_like_each_mask_in_turn(monkeypatch):
 
 
 def test_forward_tma_tiles_read_like_pointer_tiles(monkeypatch):
-    """K / V tiles through tensor descriptors (``launching.FWD_TMA``, the default) give the pointer tiles' output
-    and lse: keys past the end and head-dim padding read as 0 without a bounds mask. Head dim 24 (tiles of 32),
+    """K / V tiles through tensor descriptors (``launching.FWD_TMA``: in the boundary loops, or in every loop) give
+    the pointer tiles' output and lse: keys past the end and head-dim padding read as 0 without a bounds mask. Head dim 24 (tiles of 32),
     k / v in HF's [B, S, H, D] layout (strided heads), a ragged length, documents, a window and key padding; then
     a mask tensor over more keys than queries. The descriptors must really be taken (a spy on the launcher)."""
     if not HAVE_TRITON or not interpreting():
@@ -215,15 +215,16 @@ def test_forward_tma_tiles_read_like_pointer_tiles(monkeypatch):
              "mask": ((mq, mk, mv, keep_m, 0.25, 0.0, False, 0), {}, keep_m, (mq, mk, mv))}
     for name, (args, kw, keep_ref, (rq, rk, rv)) in cases.items():
         got = {}
-        for on in (False, True):
+        for mode in (0, 1, 2):
             made.clear()
-            monkeypatch.setattr(launching, "FWD_TMA", on)
-            got[on] = forward.attention_fwd_triton(*args, **kw)
-            assert made == ([True, True] if on else []), (name, made)
-        torch.testing.assert_close(got[True][0], got[False][0], rtol=0, atol=1e-6)
-        torch.testing.assert_close(got[True][1], got[False][1], rtol=0, atol=1e-6)
+            monkeypatch.setattr(launching, "FWD_TMA", mode)
+            got[mode] = forward.attention_fwd_triton(*args, **kw)
+            assert made == ([True, True] if mode else []), (name, mode, made)
         ref = attention_reference(rq, rk, rv, keep_ref, args[4], 0.0, args[6], args[7])
-        torch.testing.assert_close(got[True][0].double(), ref, rtol=1e-4, atol=1e-4)
+        for mode in (1, 2):
+            torch.testing.assert_close(got[mode][0], got[0][0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got[mode][1], got[0][1], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got[mode][0].double(), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("row_pairs", [True, False])

@@ -100,6 +100,7 @@ if HAVE_TRITON:
                   BLOCK_MAJOR: tl.constexpr, MASKED_ROWS: tl.constexpr, HAS_DOCS: tl.constexpr,
                   HAS_KVV: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr, ROW_BOUNDS: tl.constexpr,
                   USE_DESC: tl.constexpr):
+        # USE_DESC: K / V tiles by tensor descriptor in the boundary loops (1) or in every loop (2); 0 pointer tiles
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches: rows whose keys are all valid / the others (block_map)
@@ -140,15 +141,15 @@ if HAVE_TRITON:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, ROW_BOUNDS, USE_DESC, BLOCK_D)
+                                   HAS_KVV, ROW_BOUNDS, USE_DESC >= 1, BLOCK_D)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, ROW_BOUNDS, USE_DESC, BLOCK_D)
+                                   HAS_KVV, ROW_BOUNDS, USE_DESC == 2, BLOCK_D)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                                    stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                                    kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                                   HAS_KVV, ROW_BOUNDS, USE_DESC, BLOCK_D)
+                                   HAS_KVV, ROW_BOUNDS, USE_DESC >= 1, BLOCK_D)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
         if MASKED_ROWS == 1:  # eager with a finite fill: uniform over all keys, mean_j v_j (VMEAN [B*Hq, Dh])
@@ -205,7 +206,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
         BM, BN, nw, ns = c[:4]
         # K / V tiles through the copy engine where it can address them (launching.FWD_TMA)
         kd, vd = ((tile_descriptor(k, [1, 1, BN, BLOCK_D]), tile_descriptor(v, [1, 1, BN, BLOCK_D]))
-                  if launching.FWD_TMA else (None, None))
+                  if launching.FWD_TMA else (None, None))  # FWD_TMA: 0 off, 1 boundary loops, 2 every loop
         use_desc = kd is not None and vd is not None
         descs[:] = [kd, vd] if use_desc else [None, None]
         with rec.attempt():
@@ -220,7 +221,8 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS, USE_DESC=use_desc,
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS,
+                    USE_DESC=launching.FWD_TMA if use_desc else 0,
                     num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,

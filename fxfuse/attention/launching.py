@@ -243,8 +243,9 @@ ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
 
 # The forward loads its K / V tiles through the copy engine (TMA tensor descriptors over k and v) where it can
 # address them (fxfuse.kernels.triton_support.tile_addressable; else pointer tiles): rows past the key end and
-# head-dim padding read as 0, so no tile load takes a bounds mask. FXFUSE_ATTENTION_FWD_TMA=0 at import turns it off.
-FWD_TMA = os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1") != "0"
+# head-dim padding read as 0, so no tile load takes a bounds mask. 0: never; 1: in the boundary loops; 2: in every
+# loop. FXFUSE_ATTENTION_FWD_TMA at import sets it.
+FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "2"))
 
 
 def softcap_mode(softcap, dtype) -> int:
