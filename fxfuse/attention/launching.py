@@ -243,9 +243,12 @@ ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
 
 # The forward loads its K / V tiles through the copy engine (TMA tensor descriptors over k and v) where it can
 # address them (fxfuse.kernels.triton_support.tile_addressable; else pointer tiles): rows past the key end and
-# head-dim padding read as 0, so no tile load takes a bounds mask. 0: never; 1: in the boundary loops; 2: in every
-# loop. FXFUSE_ATTENTION_FWD_TMA at import sets it.
-FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "2"))
+# head-dim padding read as 0, so no tile load takes a bounds mask. 0: never; 1: in the boundary loops (the
+# default); 2: in every loop. H200, 32k tokens, 8B heads, two rounds (benchmarks/attention_notes.md, thirty-sixth
+# session): 1 is level with 0 on causal and 8 documents and 2.5-3.5% faster on documents of 64-256 tokens; 2 is
+# faster still on Dh-128 documents (2-6%) but 2-4% slower on Dh-128 causal and Dh-64 documents of 256 tokens.
+# FXFUSE_ATTENTION_FWD_TMA (0 / 1 / 2) at import sets it.
+FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1"))
 
 
 def softcap_mode(softcap, dtype) -> int:
