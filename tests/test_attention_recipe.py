@@ -227,6 +227,50 @@ def test_forward_tma_tiles_read_like_pointer_tiles(monkeypatch):
             torch.testing.assert_close(got[mode][0].double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_a_descriptor_variant_the_compiler_fails_on_runs_pointer_tiles(monkeypatch):
+    """Where Triton's compiler fails on the forward's tensor-descriptor variant (ptxas crashed on one at Dh 256 in
+    Triton 3.6), the forward warns once and runs pointer tiles, with the same values, for that variant from then
+    on; a failure of the pointer variant itself is raised."""
+    if not HAVE_TRITON or not interpreting():
+        pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+    from triton.runtime.errors import PTXASError
+
+    from fxfuse.attention import forward
+    from fxfuse.kernels.launch_cache import Recorder
+
+    tried = []
+
+    class FailingDescriptors(Recorder):
+        def launch(self, fn, grid, args, kwargs):
+            tried.append(kwargs["USE_DESC"])
+            if kwargs["USE_DESC"] or fail_all:
+                raise PTXASError("ptxas stand-in: Segmentation fault")
+            return super().launch(fn, grid, args, kwargs)
+
+    monkeypatch.setattr(forward, "_POINTER_TILES", set())
+    monkeypatch.setattr(launching, "FWD_TMA", 1)
+    q, k, v, do, ids, keep = _case(1, 2, 1, 37, 16, [[20]], seed=4)
+    args = (q.detach(), k.detach(), v.detach(), None, 0.25, 0.0, True, 0)
+    kw = dict(doc_ranges=document_ranges(ids), config={"fwd": (16, 16, 4, 1)})  # no replays (explicit config)
+    expected = forward.attention_fwd_triton(*args, **kw)
+    monkeypatch.setattr(forward, "Recorder", FailingDescriptors)
+    fail_all = False
+    with pytest.warns(RuntimeWarning, match="could not compile the tensor-descriptor tiles"):
+        got = forward.attention_fwd_triton(*args, **kw)
+    assert tried == [1, 0]
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+    tried.clear()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the variant is remembered
+        forward.attention_fwd_triton(*args, **kw)
+    assert tried == [0]
+    fail_all = True
+    with pytest.raises(PTXASError):
+        forward.attention_fwd_triton(*args, **kw)
+
+
 @pytest.mark.parametrize("row_pairs", [True, False])
 def test_triton_padding_blocks_are_skipped_with_the_same_result(monkeypatch, row_pairs):
     """Rows padded by more than a tile at either end (interpreter tiles are 16): the kernels skip those key blocks

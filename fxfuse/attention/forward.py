@@ -11,10 +11,12 @@ backward's exp(s - lse) is exactly 0 there); nothing of size S x Skv is ever sto
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from fxfuse.kernels.launch_cache import PlanCache, Recorder, rebase_descriptor
-from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tile_descriptor, tl, triton
+from fxfuse.kernels.triton_support import COMPILER_ERRORS, HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import launching
 from .block_map import mask_block_ranges_of, q_block_key_ranges_of, row_skipped, use_mask_ranges
@@ -168,6 +170,8 @@ if HAVE_TRITON:
 # K / V tile descriptors are rebuilt over each call's own k and v from templates (None where pointer tiles ran).
 _PLANS = PlanCache()
 _DESCRIPTORS = {}
+# Kernel variants whose tensor-descriptor build the compiler failed (see launch in attention_fwd_triton).
+_POINTER_TILES = set()
 
 
 def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
@@ -201,28 +205,48 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
     rec = Recorder()
 
     descs = [None, None]
+    smode = softcap_mode(softcap, q.dtype)
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
-        # K / V tiles through the copy engine where it can address them (launching.FWD_TMA)
-        kd, vd = ((tile_descriptor(k, [1, 1, BN, BLOCK_D]), tile_descriptor(v, [1, 1, BN, BLOCK_D]))
-                  if launching.FWD_TMA else (None, None))  # FWD_TMA: 0 off, 1 boundary loops, 2 every loop
-        use_desc = kd is not None and vd is not None
-        descs[:] = [kd, vd] if use_desc else [None, None]
+        variant = (BLOCK_D, q.dtype, kind, bool(causal), bool(window), ranges, has_docs, has_kvv, smode,
+                   int(masked_rows), int64, tuple(c))
+        # K / V tiles through the copy engine where it can address them (launching.FWD_TMA: 0 off, 1 boundary
+        # loops, 2 every loop), at the head dims where that was measured (FWD_TMA_MAX_HEAD_DIM)
+        tma = (launching.FWD_TMA if BLOCK_D <= launching.FWD_TMA_MAX_HEAD_DIM and variant not in _POINTER_TILES
+               else 0)
+        kd, vd = ((tile_descriptor(k, [1, 1, BN, BLOCK_D]), tile_descriptor(v, [1, 1, BN, BLOCK_D])) if tma
+                  else (None, None))
+        if kd is None or vd is None:
+            tma = 0
+        try:
+            launch_tiles(c, tma, kd, vd)
+        except COMPILER_ERRORS as e:
+            if not tma:
+                raise
+            # the compiler failed on the descriptor variant (ptxas crashed on a Dh-256 causal one in Triton 3.6):
+            # pointer tiles from now on for this variant, whose values are the same
+            _POINTER_TILES.add(variant)
+            warnings.warn(f"fxfuse attention forward: Triton could not compile the tensor-descriptor tiles for "
+                          f"head dim {Dh}, tile {tuple(c)} ({type(e).__name__}: {str(e).strip()[:200]}); "
+                          "this variant loads pointer tiles from now on", RuntimeWarning, stacklevel=2)
+            launch_tiles(c, 0, None, None)
+
+    def launch_tiles(c, tma, kd, vd):
+        BM, BN, nw, ns = c[:4]
+        descs[:] = [kd, vd] if tma else [None, None]
         with rec.attempt():
             rng, rs = mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN, rec=rec) if ranges else (lse, (0, 0))
             for rows, flags in row_launches(has_kvv):
                 rec.launch(_attn_fwd, grid(triton.cdiv(S, BM), B * Hq), (
-                    q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, descs[0], descs[1], *q.stride(), *k.stride(), *v.stride(), *ms,
-                    *rs, sdb, sde, skb, ssb, *out.stride(),
+                    q, k, v, mt, rng, docs, kvv, span, out, lse, vmean, descs[0], descs[1], *q.stride(), *k.stride(),
+                    *v.stride(), *ms, *rs, sdb, sde, skb, ssb, *out.stride(),
                     Hq, Hq // Hkv, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul), dict(
-                    HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=softcap_mode(softcap, q.dtype),
-                    MASK_KIND=kind,
+                    HEAD_DIM=Dh, BLOCK_D=BLOCK_D, BLOCK_M=BM, BLOCK_N=BN, SOFTCAP=smode, MASK_KIND=kind,
                     IS_CAUSAL=bool(causal), HAS_WINDOW=bool(window),
                     DOT_FP32=interpreting() or q.dtype == torch.float32, MASK_RANGES=ranges,
                     BLOCK_MAJOR=launching.BLOCK_MAJOR_GRID, MASKED_ROWS=int(masked_rows), HAS_DOCS=has_docs,
-                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS,
-                    USE_DESC=launching.FWD_TMA if use_desc else 0,
+                    HAS_KVV=flags, INT64=int64, ROWS=rows, ROW_BOUNDS=launching.ROW_BOUNDS, USE_DESC=tma,
                     num_warps=nw, num_stages=ns))
 
     launch_with_fallbacks("fwd", _attn_fwd, None, cfg, (BLOCK_D, q.dtype, kind, bool(window), ranges, has_docs,

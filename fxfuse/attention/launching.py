@@ -26,7 +26,7 @@ from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA", "FWD_TMA_MAX_HEAD_DIM",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -249,6 +249,10 @@ ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
 # faster still on Dh-128 documents (2-6%) but 2-4% slower on Dh-128 causal and Dh-64 documents of 256 tokens.
 # FXFUSE_ATTENTION_FWD_TMA (0 / 1 / 2) at import sets it.
 FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1"))
+# Head dims the descriptor tiles are used at: at Dh 256 (16k tokens, 16 / 8 heads) they were no faster on
+# documents, and ptxas (Triton 3.6) crashed compiling the causal variant. A variant the compiler fails on falls back
+# to pointer tiles anyway (forward.attention_fwd_triton).
+FWD_TMA_MAX_HEAD_DIM = 128
 
 
 def softcap_mode(softcap, dtype) -> int:

@@ -28,8 +28,16 @@ try:  # host-side TMA descriptors (triton >= 3.4; the interpreter runs them too)
 except Exception:  # pragma: no cover
     TensorDescriptor = None
 
+try:  # what Triton raises where its compiler fails on a kernel variant (its front end, or ptxas crashing)
+    from triton.compiler.errors import CompilationError as _CompilationError
+    from triton.runtime.errors import PTXASError as _PTXASError
+    COMPILER_ERRORS = (_CompilationError, _PTXASError)
+except Exception:  # pragma: no cover - no triton, or one without these errors
+    COMPILER_ERRORS = ()
+
 __all__ = ["triton", "tl", "HAVE_TRITON", "interpreting", "use_triton", "tanh_approx", "tanh_exp",
-           "tile_descriptor", "tile_addressable", "sm_count", "smem_limit", "dot_pad", "TensorDescriptor"]
+           "tile_descriptor", "tile_addressable", "sm_count", "smem_limit", "dot_pad", "TensorDescriptor",
+           "COMPILER_ERRORS"]
 
 
 @functools.lru_cache(maxsize=None)
