@@ -184,14 +184,15 @@ def test_forward_key_ranges_per_query_mask_like_each_mask_in_turn(monkeypatch):
     torch.testing.assert_close(got[True][0].double(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_forward_tma_tiles_read_like_pointer_tiles(monkeypatch):
-    """K / V tiles through tensor descriptors (``launching.FWD_TMA``: in the boundary loops, or in every loop) give
-    the pointer tiles' output and lse: keys past the end and head-dim padding read as 0 without a bounds mask. Head dim 24 (tiles of 32),
-    k / v in HF's [B, S, H, D] layout (strided heads), a ragged length, documents, a window and key padding; then
-    a mask tensor over more keys than queries. The descriptors must really be taken (a spy on the launcher)."""
+def test_tma_tiles_read_like_pointer_tiles(monkeypatch):
+    """K / V tiles through tensor descriptors (``launching.FWD_TMA`` in the forward, ``DQ_TMA`` in the dQ kernel:
+    in the boundary loops, or in every loop) give the pointer tiles' output, lse and dQ: keys past the end and
+    head-dim padding read as 0 without a bounds mask. Head dim 24 (tiles of 32), k / v in HF's [B, S, H, D] layout
+    (strided heads), a ragged length, documents, a window and key padding; then a mask tensor over more keys than
+    queries. The descriptors must really be taken (a spy on the launchers' descriptor builder)."""
     if not HAVE_TRITON or not interpreting():
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
-    from fxfuse.attention import forward
+    from fxfuse.attention import backward, forward
 
     made = []
 
@@ -200,31 +201,43 @@ def test_forward_tma_tiles_read_like_pointer_tiles(monkeypatch):
         made.append(d is not None)
         return d
 
-    tile_descriptor = forward.tile_descriptor
-    monkeypatch.setattr(forward, "tile_descriptor", spy)
+    tile_descriptor = launching.tile_descriptor
+    monkeypatch.setattr(launching, "tile_descriptor", spy)
     valid = _padding("left+right", 2, 53)
     q, k, v, do, ids, keep = _case(2, 4, 2, 53, 24, [[9, 20, 31], [4]], valid, seed=12)
     k_hf, v_hf = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     assert k_hf.stride(1) == 24 and k_hf.stride(2) == 48  # heads inside a token: HF's layout after .transpose
     g = torch.Generator().manual_seed(3)
-    mq = torch.randn(2, 4, 29, 24, generator=g)
+    mq = torch.randn(2, 4, 29, 24, generator=g).requires_grad_()
     mk, mv = torch.randn(2, 2, 61, 24, generator=g), torch.randn(2, 2, 61, 24, generator=g)
+    mdo = torch.randn(2, 4, 29, 24, generator=g)
     keep_m = torch.rand(2, 1, 29, 61, generator=g) > 0.3
     cases = {"recipe": ((q.detach(), k_hf, v_hf, None, 0.3, 0.0, True, 13),
-                        dict(doc_ranges=document_ranges(ids), key_valid=valid), keep, (q, k, v)),
-             "mask": ((mq, mk, mv, keep_m, 0.25, 0.0, False, 0), {}, keep_m, (mq, mk, mv))}
-    for name, (args, kw, keep_ref, (rq, rk, rv)) in cases.items():
-        got = {}
+                        dict(doc_ranges=document_ranges(ids), key_valid=valid), keep, (q, k, v, do)),
+             "mask": ((mq.detach(), mk, mv, keep_m, 0.25, 0.0, False, 0), {}, keep_m, (mq, mk, mv, mdo))}
+    monkeypatch.setattr(launching, "DQ_TMA", 0)
+    for name, (args, kw, keep_ref, (rq, rk, rv, rdo)) in cases.items():
+        ref = attention_reference(rq, rk, rv, keep_ref, args[4], 0.0, args[6], args[7])
+        ref_dq, = torch.autograd.grad(ref, rq, rdo.double())
+        got, grads = {}, {}
         for mode in (0, 1, 2):
             made.clear()
             monkeypatch.setattr(launching, "FWD_TMA", mode)
             got[mode] = forward.attention_fwd_triton(*args, **kw)
-            assert made == ([True, True] if mode else []), (name, mode, made)
-        ref = attention_reference(rq, rk, rv, keep_ref, args[4], 0.0, args[6], args[7])
+            assert made == ([True, True] if mode else []), (name, "forward", mode, made)
+        out, lse = got[0]
+        for mode in (0, 1, 2):
+            made.clear()
+            monkeypatch.setattr(launching, "DQ_TMA", mode)
+            grads[mode] = backward.attention_bwd_triton(rdo, *args[:4], out, lse, *args[4:], **kw)
+            assert made == ([True, True] if mode else []), (name, "dq", mode, made)
         for mode in (1, 2):
             torch.testing.assert_close(got[mode][0], got[0][0], rtol=0, atol=1e-6)
             torch.testing.assert_close(got[mode][1], got[0][1], rtol=0, atol=1e-6)
             torch.testing.assert_close(got[mode][0].double(), ref, rtol=1e-4, atol=1e-4)
+            for a, b in zip(grads[mode], grads[0]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+            torch.testing.assert_close(grads[mode][0].double(), ref_dq.double(), rtol=1e-4, atol=1e-4)
 
 
 def test_a_descriptor_variant_the_compiler_fails_on_runs_pointer_tiles(monkeypatch):
@@ -247,7 +260,7 @@ def test_a_descriptor_variant_the_compiler_fails_on_runs_pointer_tiles(monkeypat
                 raise PTXASError("ptxas stand-in: Segmentation fault")
             return super().launch(fn, grid, args, kwargs)
 
-    monkeypatch.setattr(forward, "_POINTER_TILES", set())
+    monkeypatch.setattr(launching, "POINTER_TILES", set())
     monkeypatch.setattr(launching, "FWD_TMA", 1)
     q, k, v, do, ids, keep = _case(1, 2, 1, 37, 16, [[20]], seed=4)
     args = (q.detach(), k.detach(), v.detach(), None, 0.25, 0.0, True, 0)

@@ -223,25 +223,32 @@ if HAVE_TRITON:
                      + offs_d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
     @triton.jit
-    def _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, hi,
-                      stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
+    def _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo,
+                      hi, stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV, kv_holes,
                       BLOCK_N: tl.constexpr, D_MASK: tl.constexpr, SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr,
                       IS_CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDARY: tl.constexpr,
-                      DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr):
+                      DOT_FP32: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
+                      USE_DESC: tl.constexpr, BLOCK_D: tl.constexpr):
         kv_check = 1 if BOUNDARY else kv_holes  # as in the forward's loops
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + offs_n0
-            if BOUNDARY:
-                kv_mask = offs_n[:, None] < SKV
-                if D_MASK:
-                    kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
+            if USE_DESC:  # the copy engine, as in the forward (launching.DQ_TMA): keys past SKV read as 0
+                k = K_DESC.load([tl.cast(b, tl.int32), tl.cast(hk, tl.int32), tl.cast(start_n, tl.int32),
+                                 0]).reshape(BLOCK_N, BLOCK_D)
+                v = V_DESC.load([tl.cast(b, tl.int32), tl.cast(hk, tl.int32), tl.cast(start_n, tl.int32),
+                                 0]).reshape(BLOCK_N, BLOCK_D)
             else:
-                if D_MASK:
-                    kv_mask = offs_d[None, :] < D_MASK
+                if BOUNDARY:
+                    kv_mask = offs_n[:, None] < SKV
+                    if D_MASK:
+                        kv_mask = kv_mask & (offs_d[None, :] < D_MASK)
                 else:
-                    kv_mask = None
-            k = load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
-            v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
+                    if D_MASK:
+                        kv_mask = offs_d[None, :] < D_MASK
+                    else:
+                        kv_mask = None
+                k = load_tile(K_blk + offs_n[:, None] * stride_kn, kv_mask)
+                v = load_tile(V_blk + offs_n[:, None] * stride_vn, kv_mask)
             qk = dot(q, tl.trans(k), DOT_FP32)
             s2, t = masked_scores(qk, sc_mul, out_mul, M_blk + offs_n[None, :] * stride_mn, offs_m[:, None],
                                   offs_n[None, :], S, SKV, OFF, window, DST, KVV, kv_check, SOFTCAP, MASK_KIND,
@@ -255,7 +262,7 @@ if HAVE_TRITON:
         return dq
 
     @triton.jit(do_not_specialize=_LENGTHS_ATTN_BWD_DQ)
-    def _attn_bwd_dq(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DQ,
+    def _attn_bwd_dq(Q, K, V, M, RNG, DOCS, KVVEC, KVSPAN, DO, LSE, DELTA, DQ, K_DESC, V_DESC,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -268,7 +275,8 @@ if HAVE_TRITON:
                      SOFTCAP: tl.constexpr, MASK_KIND: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_RANGES: tl.constexpr,
                      BLOCK_MAJOR: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_KVV: tl.constexpr,
-                     INT64: tl.constexpr, ROWS: tl.constexpr):
+                     INT64: tl.constexpr, ROWS: tl.constexpr, USE_DESC: tl.constexpr):
+        # USE_DESC: K / V tiles by tensor descriptor in the boundary loops (1) or in every loop (2); 0 pointer tiles
         pid_m, bh = grid_ids(BLOCK_MAJOR, True)
         b = bh // H
         if ROWS != 0:  # one of a pair of launches (launching.ROW_PAIRS)
@@ -305,18 +313,18 @@ if HAVE_TRITON:
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
                                                OFF, window, DST, KVS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                                MASK_RANGES, HAS_DOCS, HAS_KVV)
-        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                           HAS_KVV)
-        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
+                           HAS_KVV, USE_DESC >= 1, BLOCK_D)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                           HAS_KVV)
-        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
+                           HAS_KVV, USE_DESC == 2, BLOCK_D)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
                            stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
                            kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                           HAS_KVV)
+                           HAS_KVV, USE_DESC >= 1, BLOCK_D)
         dq = dq * scaling
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -457,8 +465,9 @@ def _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap,
         *dv.stride(), Hq, Hkv, G, S, Skv, NQB, sc_mul, float(scaling), 1.0 / Skv, **common)
 
 
-# Replays of the three launches by call signature (fxfuse.kernels.launch_cache), and the q / dO tile descriptors
-# each replay rebuilds over its own tensors (templates without a tensor; None where the pointer path ran).
+# Replays of the three launches by call signature (fxfuse.kernels.launch_cache), and the q / dO (dK/dV kernel) and
+# K / V (dQ kernel) tile descriptors each replay rebuilds over its own tensors (templates without a tensor; None
+# where the pointer path ran).
 _PLANS = PlanCache()
 _DESCRIPTORS = {}
 
@@ -484,8 +493,8 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     mask_role = (mt,) if mask is not None else ()
     templates = _DESCRIPTORS.get(plan)
     if templates is not None:
-        q_desc, do_desc = (None if t is None else rebase_descriptor(t, x) for t, x in zip(templates, (q, do)))
-        roles = (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, q_desc, do_desc, *mask_role)
+        rebased = [None if t is None else rebase_descriptor(t, x) for t, x in zip(templates, (q, do, k, v))]
+        roles = (q, k, v, do, out, lse, delta, dq, dk, dv, docs, kvv, span, *rebased, *mask_role)
         replay = _PLANS.lookup(plan, roles)
         if replay is not None and replay(roles, q.device.index):
             return nan_grads_of_dead_rows(dq, dk, dv, lse, G, masked_rows)
@@ -507,7 +516,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
     common["BLOCK_MAJOR"] = launching.BLOCK_MAJOR_GRID
     common.update(HAS_DOCS=has_docs,
                   INT64=needs_int64(q, k, v, do, dq, dk, dv, expand_mask(mask, B, Hq, S, Skv)))
-    descs = [None, None]
+    descs = [None, None, None, None]  # the dK/dV kernel's q / dO tiles, the dQ kernel's K / V tiles
 
     def launch_dkdv(c):
         BM, BN, nw, ns, *split = c
@@ -517,7 +526,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         # q / dO tiles through the copy engine where it can address them (no bounds masks, no pointer tiles)
         q_desc, do_desc = tile_descriptor(q, [1, 1, BM, BLOCK_D]), tile_descriptor(do, [1, 1, BM, BLOCK_D])
         use_desc = q_desc is not None and do_desc is not None
-        descs[:] = [q_desc, do_desc] if use_desc else [None, None]
+        descs[:2] = [q_desc, do_desc] if use_desc else [None, None]
         with rec.attempt():
             rng, rs = (mask_block_ranges_of(mt, ms, kind, B, Hq, Skv, S, BN, BM, transpose=True, rec=rec)
                        if ranges else (lse, (0, 0)))
@@ -532,15 +541,28 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
+        # K / V tiles through the copy engine where it can address them (launching.DQ_TMA)
+        variant = (key, common["SOFTCAP"], bool(causal), common["INT64"], tuple(c))
+        tma, kv_descs = launching.descriptor_tiles("dq", variant, launching.DQ_TMA, BLOCK_D, (k, v),
+                                                   [1, 1, BN, BLOCK_D])
+        launching.launch_tiles_or_pointers("dq", variant, tma, kv_descs,
+                                           lambda mode, ds: launch_dq_tiles(c, mode, *ds),
+                                           f"head dim {Dh}, tile {tuple(c)}")
+
+    def launch_dq_tiles(c, tma, kd, vd):
+        BM, BN, nw, ns = c[:4]
+        descs[2:] = [kd, vd] if tma else [None, None]
         with rec.attempt():
             rng, rs = (mask_block_ranges_of(mt, ms, kind, B, Hq, S, Skv, BM, BN, rec=rec) if ranges
                        else (lse, (0, 0)))
             for rows, flags in row_launches(has_kvv):
                 rec.launch(_attn_bwd_dq, grid(triton.cdiv(S, BM), B * Hq), (
-                    q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(),
+                    q, k, v, mt, rng, docs, kvv, span, do, lse, delta, dq, descs[2], descs[3], *q.stride(),
+                    *k.stride(), *v.stride(),
                     *ms, *rs, sdb, sde, skb, ssb, *do.stride(),
                     *dq.stride(), Hq, G, S, Skv, Skv - S, int(window or 0), sc_mul, out_mul, float(scaling)), dict(
-                    BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, HAS_KVV=flags, ROWS=rows, **common))
+                    BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, HAS_KVV=flags, ROWS=rows,
+                    USE_DESC=tma, **common))
 
     launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, config_for("dkdv", BLOCK_D, q.dtype, config), key,
                           launch_dkdv)

@@ -11,12 +11,10 @@ backward's exp(s - lse) is exactly 0 there); nothing of size S x Skv is ever sto
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from fxfuse.kernels.launch_cache import PlanCache, Recorder, rebase_descriptor
-from fxfuse.kernels.triton_support import COMPILER_ERRORS, HAVE_TRITON, interpreting, tile_descriptor, tl, triton
+from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
 
 from . import launching
 from .block_map import mask_block_ranges_of, q_block_key_ranges_of, row_skipped, use_mask_ranges
@@ -170,8 +168,6 @@ if HAVE_TRITON:
 # K / V tile descriptors are rebuilt over each call's own k and v from templates (None where pointer tiles ran).
 _PLANS = PlanCache()
 _DESCRIPTORS = {}
-# Kernel variants whose tensor-descriptor build the compiler failed (see launch in attention_fwd_triton).
-_POINTER_TILES = set()
 
 
 def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config=None,
@@ -209,28 +205,14 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
 
     def launch(c):
         BM, BN, nw, ns = c[:4]
+        # K / V tiles through the copy engine where it can address them (launching.FWD_TMA)
         variant = (BLOCK_D, q.dtype, kind, bool(causal), bool(window), ranges, has_docs, has_kvv, smode,
                    int(masked_rows), int64, tuple(c))
-        # K / V tiles through the copy engine where it can address them (launching.FWD_TMA: 0 off, 1 boundary
-        # loops, 2 every loop), at the head dims where that was measured (FWD_TMA_MAX_HEAD_DIM)
-        tma = (launching.FWD_TMA if BLOCK_D <= launching.FWD_TMA_MAX_HEAD_DIM and variant not in _POINTER_TILES
-               else 0)
-        kd, vd = ((tile_descriptor(k, [1, 1, BN, BLOCK_D]), tile_descriptor(v, [1, 1, BN, BLOCK_D])) if tma
-                  else (None, None))
-        if kd is None or vd is None:
-            tma = 0
-        try:
-            launch_tiles(c, tma, kd, vd)
-        except COMPILER_ERRORS as e:
-            if not tma:
-                raise
-            # the compiler failed on the descriptor variant (ptxas crashed on a Dh-256 causal one in Triton 3.6):
-            # pointer tiles from now on for this variant, whose values are the same
-            _POINTER_TILES.add(variant)
-            warnings.warn(f"fxfuse attention forward: Triton could not compile the tensor-descriptor tiles for "
-                          f"head dim {Dh}, tile {tuple(c)} ({type(e).__name__}: {str(e).strip()[:200]}); "
-                          "this variant loads pointer tiles from now on", RuntimeWarning, stacklevel=2)
-            launch_tiles(c, 0, None, None)
+        tma, kv_descs = launching.descriptor_tiles("forward", variant, launching.FWD_TMA, BLOCK_D, (k, v),
+                                                   [1, 1, BN, BLOCK_D])
+        launching.launch_tiles_or_pointers("forward", variant, tma, kv_descs,
+                                           lambda mode, ds: launch_tiles(c, mode, *ds),
+                                           f"head dim {Dh}, tile {tuple(c)}")
 
     def launch_tiles(c, tma, kd, vd):
         BM, BN, nw, ns = c[:4]

@@ -16,17 +16,19 @@ switches that pick a kernel variant, and the arguments every attention kernel ta
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-from fxfuse.kernels.triton_support import HAVE_TRITON, interpreting, tl, triton
+from fxfuse.kernels.triton_support import COMPILER_ERRORS, HAVE_TRITON, interpreting, tile_descriptor, tl, triton
 
 from . import block_map
 from .conventions import LOG2E, MASKED_ROWS_UNIFORM
 from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
-           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA", "FWD_TMA_MAX_HEAD_DIM",
+           "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA",
+           "DQ_TMA", "TMA_MAX_HEAD_DIM", "POINTER_TILES", "descriptor_tiles", "launch_tiles_or_pointers",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -157,7 +159,7 @@ def plan_key(kind, q, k, v, mask, config, scaling, softcap, causal, window, mask
     m = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
     return (kind, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, scaling, softcap, causal, window, masked_rows, dr, kv, m, BLOCK_MAJOR_GRID, FAST_TANH,
-            ROW_BOUNDS, FWD_TMA, FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
+            ROW_BOUNDS, FWD_TMA, DQ_TMA, FORCE_INT64, ROW_PAIRS, block_map.MASK_BLOCK_RANGES, extra)
 
 
 # Key flags, a pair of launches: the kernels' flag-reading variant (HAS_KVV) holds more registers, and at head dim
@@ -249,10 +251,42 @@ ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
 # faster still on Dh-128 documents (2-6%) but 2-4% slower on Dh-128 causal and Dh-64 documents of 256 tokens.
 # FXFUSE_ATTENTION_FWD_TMA (0 / 1 / 2) at import sets it.
 FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1"))
+# The same choice for the dQ kernel's K / V tiles (its loops mirror the forward's).
+DQ_TMA = int(os.environ.get("FXFUSE_ATTENTION_DQ_TMA", "0"))
 # Head dims the descriptor tiles are used at: at Dh 256 (16k tokens, 16 / 8 heads) they were no faster on
-# documents, and ptxas (Triton 3.6) crashed compiling the causal variant. A variant the compiler fails on falls back
-# to pointer tiles anyway (forward.attention_fwd_triton).
-FWD_TMA_MAX_HEAD_DIM = 128
+# documents, and ptxas (Triton 3.6) crashed compiling the causal forward. A variant the compiler fails on falls back
+# to pointer tiles anyway (launch_tiles_or_pointers).
+TMA_MAX_HEAD_DIM = 128
+# (kernel, variant) pairs whose descriptor tiles the compiler failed on: pointer tiles from then on.
+POINTER_TILES = set()
+
+
+def descriptor_tiles(kernel, variant, mode, block_d, tensors, block_shape):
+    """(mode, descriptors) for a launch of ``kernel``'s ``variant`` (its constexprs): the TMA descriptors that load
+    ``block_shape`` tiles of ``tensors`` and ``mode`` (FWD_TMA / DQ_TMA: 1 boundary loops, 2 every loop), or
+    (0, Nones) where the mode is off, the head dim is past TMA_MAX_HEAD_DIM, the variant failed to compile with
+    descriptors before, or the copy engine cannot address one of the tensors (tile_addressable)."""
+    none = [None] * len(tensors)
+    if not mode or block_d > TMA_MAX_HEAD_DIM or (kernel, variant) in POINTER_TILES:
+        return 0, none
+    descs = [tile_descriptor(t, block_shape) for t in tensors]
+    return (mode, descs) if all(d is not None for d in descs) else (0, none)
+
+
+def launch_tiles_or_pointers(kernel, variant, mode, descs, launch_tiles, what):
+    """``launch_tiles(mode, descs)``; where Triton's compiler fails on the descriptor variant (ptxas crashed on a
+    Dh-256 causal forward in Triton 3.6), warn once, remember the variant and launch it with pointer tiles, whose
+    values are the same. A failure of the pointer variant itself is raised."""
+    try:
+        launch_tiles(mode, descs)
+    except COMPILER_ERRORS as e:
+        if not mode:
+            raise
+        POINTER_TILES.add((kernel, variant))
+        warnings.warn(f"fxfuse attention {kernel}: Triton could not compile the tensor-descriptor tiles for {what} "
+                      f"({type(e).__name__}: {str(e).strip()[:200]}); this variant loads pointer tiles from now on",
+                      RuntimeWarning, stacklevel=3)
+        launch_tiles(0, [None] * len(descs))
 
 
 def softcap_mode(softcap, dtype) -> int:
