@@ -84,6 +84,9 @@ def anchor_impls(S, D, layout):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     impls = {}
+    # each (head dim, layout) compiles its own block mask and kernel: start Dynamo afresh, or the eighth one passes
+    # its recompile limit and FlexAttention falls back to its unfused path (it ran out of memory at Dh 64 docs8)
+    torch._dynamo.reset()
     if layout == "causal":
         for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
             def attn(q, k, v, be=be):

@@ -251,8 +251,10 @@ ROW_BOUNDS = os.environ.get("FXFUSE_ATTENTION_ROW_BOUNDS", "1") != "0"
 # faster still on Dh-128 documents (2-6%) but 2-4% slower on Dh-128 causal and Dh-64 documents of 256 tokens.
 # FXFUSE_ATTENTION_FWD_TMA (0 / 1 / 2) at import sets it.
 FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1"))
-# The same choice for the dQ kernel's K / V tiles (its loops mirror the forward's).
-DQ_TMA = int(os.environ.get("FXFUSE_ATTENTION_DQ_TMA", "0"))
+# The same choice for the dQ kernel's K / V tiles (its loops mirror the forward's); 2 by default. H200, same
+# shapes, whole backward, two rounds (attention_notes.md, thirty-sixth session): 2 is 1.8-6.9% faster at Dh 64,
+# 0.3-1.5% at Dh 128, and 1.6% slower on Dh-128 documents of 64 tokens; 1 was 14% slower at Dh 64 with 8 documents.
+DQ_TMA = int(os.environ.get("FXFUSE_ATTENTION_DQ_TMA", "2"))
 # Head dims the descriptor tiles are used at: at Dh 256 (16k tokens, 16 / 8 heads) they were no faster on
 # documents, and ptxas (Triton 3.6) crashed compiling the causal forward. A variant the compiler fails on falls back
 # to pointer tiles anyway (launch_tiles_or_pointers).
