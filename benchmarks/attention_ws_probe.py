@@ -43,6 +43,17 @@ def emit(**row):
 
 
 @triton.jit
+def _online_softmax_step(s, v, acc, l_i, m_i):
+    # one key tile of the online softmax (scores s in the log2 domain)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _probe_fwd(Q, K, V, O, S, qk_scale,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, WS: tl.constexpr, H: tl.constexpr, G: tl.constexpr):
@@ -79,12 +90,7 @@ def _probe_fwd(Q, K, V, O, S, qk_scale,
             k = tl.load(K + rows[:, None] * HEAD_DIM + offs_d[None, :])
             v = tl.load(V + rows[:, None] * HEAD_DIM + offs_d[None, :])
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i)
     if CAUSAL:
         for start_n in range(start_m, start_m + BLOCK_M, BLOCK_N):
             rows = kv_row0 + start_n + offs_n0
@@ -92,12 +98,7 @@ def _probe_fwd(Q, K, V, O, S, qk_scale,
             v = tl.load(V + rows[:, None] * HEAD_DIM + offs_d[None, :])
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(offs_m[:, None] >= (start_n + offs_n0)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-            m_i = m_new
+            acc, l_i, m_i = _online_softmax_step(s, v, acc, l_i, m_i)
     acc = acc / l_i[:, None]
     tl.store(O + (q_row + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM + offs_d[None, :], acc.to(O.dtype.element_ty))
 

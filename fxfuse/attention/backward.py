@@ -313,18 +313,18 @@ if HAVE_TRITON:
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
                                                OFF, window, DST, KVS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                                MASK_RANGES, HAS_DOCS, HAS_KVV)
-        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
-                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                           HAS_KVV, USE_DESC >= 1, BLOCK_D)
-        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
-                           HAS_KVV, USE_DESC == 2, BLOCK_D)
-        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
-                           stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                           kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
-                           HAS_KVV, USE_DESC >= 1, BLOCK_D)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0,
+                           offs_d, lo, b_, stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul,
+                           out_mul, DST, KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                           HAS_WINDOW, True, DOT_FP32, HAS_DOCS, HAS_KVV, USE_DESC >= 1, BLOCK_D)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0,
+                           offs_d, b_, c_, stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul,
+                           out_mul, DST, KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL,
+                           HAS_WINDOW, False, DOT_FP32, HAS_DOCS, HAS_KVV, USE_DESC == 2, BLOCK_D)
+        dq = _bwd_dq_inner(dq, q, do, lse2, Di, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0,
+                           offs_d, c_, hi, stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul,
+                           out_mul, DST, KVV, kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL,
+                           HAS_WINDOW, True, DOT_FP32, HAS_DOCS, HAS_KVV, USE_DESC >= 1, BLOCK_D)
         dq = dq * scaling
         tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -543,11 +543,9 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         BM, BN, nw, ns = c[:4]
         # K / V tiles through the copy engine where it can address them (launching.DQ_TMA)
         variant = (key, common["SOFTCAP"], bool(causal), common["INT64"], tuple(c))
-        tma, kv_descs = launching.descriptor_tiles("dq", variant, launching.DQ_TMA, BLOCK_D, (k, v),
-                                                   [1, 1, BN, BLOCK_D])
-        launching.launch_tiles_or_pointers("dq", variant, tma, kv_descs,
-                                           lambda mode, ds: launch_dq_tiles(c, mode, *ds),
-                                           f"head dim {Dh}, tile {tuple(c)}")
+        launching.launch_kv_tiles("dq", variant, launching.DQ_TMA, BLOCK_D, BN, k, v,
+                                  lambda mode, kd, vd: launch_dq_tiles(c, mode, kd, vd),
+                                  f"head dim {Dh}, tile {tuple(c)}")
 
     def launch_dq_tiles(c, tma, kd, vd):
         BM, BN, nw, ns = c[:4]

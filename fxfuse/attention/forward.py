@@ -138,17 +138,20 @@ if HAVE_TRITON:
         lo, b_, c_, hi = q_block_key_ranges_of(RNG + b * stride_rb + h * stride_rh + pid_m * 4, start_m, S, SKV,
                                                OFF, window, DST, KVS, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW,
                                                MASK_RANGES, HAS_DOCS, HAS_KVV)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, lo, b_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m,
+                                   offs_n0, offs_d, lo, b_, stride_kn, stride_vn, stride_mn, S, SKV,
+                                   OFF, window, sc_mul, out_mul, DST, KVV, kv_holes, BLOCK_N, D_MASK,
+                                   SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                                    HAS_KVV, ROW_BOUNDS, USE_DESC >= 1, BLOCK_D)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, b_, c_,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m,
+                                   offs_n0, offs_d, b_, c_, stride_kn, stride_vn, stride_mn, S, SKV,
+                                   OFF, window, sc_mul, out_mul, DST, KVV, kv_holes, BLOCK_N, D_MASK,
+                                   SOFTCAP, MID_MASK, IS_CAUSAL, HAS_WINDOW, False, DOT_FP32, HAS_DOCS,
                                    HAS_KVV, ROW_BOUNDS, USE_DESC == 2, BLOCK_D)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m, offs_n0, offs_d, c_, hi,
-                                   stride_kn, stride_vn, stride_mn, S, SKV, OFF, window, sc_mul, out_mul, DST, KVV,
-                                   kv_holes, BLOCK_N, D_MASK, SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K_blk, V_blk, K_DESC, V_DESC, b, hk, M_blk, offs_m,
+                                   offs_n0, offs_d, c_, hi, stride_kn, stride_vn, stride_mn, S, SKV,
+                                   OFF, window, sc_mul, out_mul, DST, KVV, kv_holes, BLOCK_N, D_MASK,
+                                   SOFTCAP, MASK_KIND, IS_CAUSAL, HAS_WINDOW, True, DOT_FP32, HAS_DOCS,
                                    HAS_KVV, ROW_BOUNDS, USE_DESC >= 1, BLOCK_D)
         dead = l_i == 0.0  # every key masked: lse = +inf (the backward's p = exp(s - inf) = 0 there)
         acc = acc / tl.where(dead, 1.0, l_i)[:, None]
@@ -208,11 +211,8 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
         # K / V tiles through the copy engine where it can address them (launching.FWD_TMA)
         variant = (BLOCK_D, q.dtype, kind, bool(causal), bool(window), ranges, has_docs, has_kvv, smode,
                    int(masked_rows), int64, tuple(c))
-        tma, kv_descs = launching.descriptor_tiles("forward", variant, launching.FWD_TMA, BLOCK_D, (k, v),
-                                                   [1, 1, BN, BLOCK_D])
-        launching.launch_tiles_or_pointers("forward", variant, tma, kv_descs,
-                                           lambda mode, ds: launch_tiles(c, mode, *ds),
-                                           f"head dim {Dh}, tile {tuple(c)}")
+        launching.launch_kv_tiles("forward", variant, launching.FWD_TMA, BLOCK_D, BN, k, v,
+                                  lambda mode, kd, vd: launch_tiles(c, mode, kd, vd), f"head dim {Dh}, tile {tuple(c)}")
 
     def launch_tiles(c, tma, kd, vd):
         BM, BN, nw, ns = c[:4]

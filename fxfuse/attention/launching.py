@@ -29,6 +29,7 @@ from .reference import expand_mask
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
            "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA",
            "DQ_TMA", "TMA_MAX_HEAD_DIM", "POINTER_TILES", "descriptor_tiles", "launch_tiles_or_pointers",
+           "launch_kv_tiles",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -273,6 +274,13 @@ def descriptor_tiles(kernel, variant, mode, block_d, tensors, block_shape):
         return 0, none
     descs = [tile_descriptor(t, block_shape) for t in tensors]
     return (mode, descs) if all(d is not None for d in descs) else (0, none)
+
+
+def launch_kv_tiles(kernel, variant, mode, block_d, block_n, k, v, launch_tiles, what):
+    """Launch a kernel that reads K / V tiles: ``launch_tiles(mode, k_desc, v_desc)`` with the descriptors of
+    :func:`descriptor_tiles` (mode 0 and Nones: pointer tiles)."""
+    mode, descs = descriptor_tiles(kernel, variant, mode, block_d, (k, v), [1, 1, block_n, block_d])
+    launch_tiles_or_pointers(kernel, variant, mode, descs, lambda m, ds: launch_tiles(m, *ds), what)
 
 
 def launch_tiles_or_pointers(kernel, variant, mode, descs, launch_tiles, what):
