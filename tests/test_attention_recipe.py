@@ -226,7 +226,7 @@ def test_tma_tiles_read_like_pointer_tiles(monkeypatch):
             got[mode] = forward.attention_fwd_triton(*args, **kw)
             assert made == ([True, True] if mode else []), (name, "forward", mode, made)
         out, lse = got[0]
-        for mode in (0, 1, 2):
+        for mode in (0, 2):  # dQ: off and its default (mode 1, boundary loops alone, is checked on the forward)
             made.clear()
             monkeypatch.setattr(launching, "DQ_TMA", mode)
             grads[mode] = backward.attention_bwd_triton(rdo, *args[:4], out, lse, *args[4:], **kw)
@@ -235,9 +235,9 @@ def test_tma_tiles_read_like_pointer_tiles(monkeypatch):
             torch.testing.assert_close(got[mode][0], got[0][0], rtol=0, atol=1e-6)
             torch.testing.assert_close(got[mode][1], got[0][1], rtol=0, atol=1e-6)
             torch.testing.assert_close(got[mode][0].double(), ref, rtol=1e-4, atol=1e-4)
-            for a, b in zip(grads[mode], grads[0]):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-            torch.testing.assert_close(grads[mode][0].double(), ref_dq.double(), rtol=1e-4, atol=1e-4)
+        for a, b in zip(grads[2], grads[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(grads[2][0].double(), ref_dq.double(), rtol=1e-4, atol=1e-4)
 
 
 def test_a_descriptor_variant_the_compiler_fails_on_runs_pointer_tiles(monkeypatch):
