@@ -21,9 +21,8 @@ Rows: $OUT/attn_ws_probe.jsonl (one JSON object a line).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+import sys
 import traceback
 
 import torch
@@ -31,15 +30,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-OUT = os.environ.get("OUT", "/tmp")
-T0 = time.time()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import jsonl_emitter  # noqa: E402
 
-
-def emit(**row):
-    row["t"] = round(time.time() - T0, 1)
-    with open(os.path.join(OUT, "attn_ws_probe.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+emit = jsonl_emitter("attn_ws_probe.jsonl")
 
 
 @triton.jit
