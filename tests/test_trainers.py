@@ -59,13 +59,15 @@ def test_trl_sft_trainer_with_peft_config(tmp_path):
 
     def make():
         cfg = SFTConfig(output_dir=str(tmp_path / "sft_lora"), max_length=32, **ARGS)
-        return SFTTrainer(model=tiny_causal_lm("llama"), args=cfg,
+        # one decoder layer: Dynamo's tracing of each layer was most of the test's time (its 7 projections are
+        # what the adapters cover)
+        return SFTTrainer(model=tiny_causal_lm("llama", num_hidden_layers=1), args=cfg,
                           train_dataset=Dataset.from_dict({"text": make_texts(seed=2)}),
                           processing_class=make_tokenizer(), peft_config=lora)
 
     reps = assert_losses_unchanged(make, n_steps=3, rel=1e-4, abs=1e-5)
     lora_sites = [s for r in reps for s in r.fused if s.pass_name == "lora_linear"]
-    assert len(lora_sites) >= 14, [str(r) for r in reps]  # 7 projections x 2 layers
+    assert len(lora_sites) >= 7, [str(r) for r in reps]  # 7 projections x 1 layer
 
 
 def test_hf_trainer_padded_batches_of_new_lengths_compile_like_dynamo(tmp_path):
