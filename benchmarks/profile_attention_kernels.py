@@ -2,8 +2,11 @@
 kernels beside FlexAttention's and SDPA's (cuDNN, flash), at one 8B-heads layer (32 q / 8 kv heads), bf16, B 1.
 
 Sections (``--sections``, comma list):
+Layouts (``--layouts``): causal, docsN (N packed documents), winN (causal, window of N keys), padP (right padding:
+P% of the keys valid).
   breakdown  each impl once under torch.profiler: device ms per kernel name, fwd and bwd apart
-  sweep      fxfuse tile configs per kernel (``--sweep-json``: {"fwd": [[BM, BN, warps, stages], ...], ...}),
+  sweep      fxfuse tile configs per kernel (``--sweep-json``: {"fwd": [[BM, BN, warps, stages], ...], ...},
+             or per head dim {"128": {"dkdv": [...]}, ...}),
              the other kernels at their defaults; ms of the pass that holds the kernel
 ``--switches '{"FAST_TANH": false}'`` sets :mod:`fxfuse.attention.launching` switches for the whole run.
   probe      which SDPA backends run the case (GQA, head dim), and what plain SDPA picks by default
@@ -37,10 +40,31 @@ def n_docs(layout):
     return int(layout[4:]) if layout.startswith("docs") else 1
 
 
+def layout_recipe(layout, S):
+    """(window, doc_ranges, key_valid) of a layout: causal; docsN (N packed documents); winN (causal, sliding window
+    of N keys); padF (causal, one row right-padded to F% of its keys valid: its last keys padding)."""
+    from fxfuse.ops import document_ranges
+    window = int(layout[3:]) if layout.startswith("win") else 0
+    dr = (document_ranges(torch.arange(S, device="cuda")[None] // (S // n_docs(layout)))
+          if layout.startswith("docs") else None)
+    kv = (torch.arange(S, device="cuda")[None] < S * int(layout[3:]) // 100) if layout.startswith("pad") else None
+    return window, dr, kv
+
+
+def kept_fraction(layout, S):
+    """Fraction of the causal half's scores a layout keeps (for the tflops column)."""
+    if layout.startswith("win"):
+        w = int(layout[3:])
+        return (w * S - w * w / 2) / (S * S / 2)
+    if layout.startswith("pad"):
+        return (int(layout[3:]) / 100) ** 2
+    return 1 / n_docs(layout)
+
+
 def flops_fwd(S, D, Hq, layout):
     """Forward matmul flops of the kept scores (causal: half; docs: each document's causal half)."""
     full = 4 * S * S * D * Hq
-    return full / 2 / n_docs(layout)
+    return full / 2 * kept_fraction(layout, S)
 
 
 def median_ms(fn, rep_ms=200):
@@ -57,13 +81,12 @@ def inputs(S, Hq, Hkv, D, seed=0):
 def fxfuse_parts(S, D, layout, q, k, v, do, config=None):
     from fxfuse.attention.backward import attention_bwd_triton
     from fxfuse.attention.forward import attention_fwd_triton
-    from fxfuse.ops import document_ranges
-    dr = (document_ranges(torch.arange(S, device="cuda")[None] // (S // n_docs(layout)))
-          if layout.startswith("docs") else None)
+    win, dr, kv = layout_recipe(layout, S)
     sc = D ** -0.5
-    out, lse = attention_fwd_triton(q, k, v, None, sc, 0.0, True, 0, config=config, doc_ranges=dr)
-    fwd = lambda: attention_fwd_triton(q, k, v, None, sc, 0.0, True, 0, config=config, doc_ranges=dr)
-    bwd = lambda: attention_bwd_triton(do, q, k, v, None, out, lse, sc, 0.0, True, 0, config=config, doc_ranges=dr)
+    rec = dict(config=config, doc_ranges=dr, key_valid=kv)
+    out, lse = attention_fwd_triton(q, k, v, None, sc, 0.0, True, win, **rec)
+    fwd = lambda: attention_fwd_triton(q, k, v, None, sc, 0.0, True, win, **rec)
+    bwd = lambda: attention_bwd_triton(do, q, k, v, None, out, lse, sc, 0.0, True, win, **rec)
     return fwd, bwd
 
 
@@ -94,8 +117,10 @@ def anchor_impls(S, D, layout):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             impls[name] = attn
     doc = S // n_docs(layout)
-    mod = ((lambda b, h, qi, ki: qi >= ki) if layout == "causal"
-           else (lambda b, h, qi, ki: (qi >= ki) & (qi // doc == ki // doc)))
+    win = int(layout[3:]) if layout.startswith("win") else S
+    valid = S * int(layout[3:]) // 100 if layout.startswith("pad") else S
+    # the same keys as layout_recipe's: causal, in the query's document, within the window, not padding
+    mod = lambda b, h, qi, ki: (qi >= ki) & (qi // doc == ki // doc) & (qi - ki < win) & (ki < valid)
     bm = create_block_mask(mod, None, None, S, S, device="cuda", _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)
     impls["flex"] = lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True)
@@ -176,13 +201,15 @@ def compiled_stats():
 def sec_sweep(args):
     from fxfuse.attention.launching import DEFAULT_CONFIGS
     cands = json.loads(args.sweep_json) if args.sweep_json else {}
-    for D in args.dims:
+    for D, _round in [(D, r) for r in range(args.rounds) for D in args.dims]:
         defaults = DEFAULT_CONFIGS[(D, 2)]
+        # {"dkdv": [...]} for every head dim, or {"128": {"dkdv": [...]}, "64": {...}} per head dim
+        per_dim = cands.get(str(D), {}) if all(key.isdigit() for key in cands) else cands
         for layout in args.layouts:
             S = args.S
             q, k, v, do = inputs(S, args.hq, args.hkv, D)
             ff = flops_fwd(S, D, args.hq, layout)
-            for kern, lst in cands.items():
+            for kern, lst in per_dim.items():
                 for c in [defaults[kern]] + [tuple(x) for x in lst]:
                     cfg = dict(defaults)
                     cfg[kern] = tuple(c)
@@ -190,7 +217,7 @@ def sec_sweep(args):
                         fwd, bwd = fxfuse_parts(S, D, layout, q, k, v, do, config=cfg)
                         fn = fwd if kern == "fwd" else bwd
                         t = median_ms(fn)
-                        emit(impl="fxfuse", layout=layout, D=D, S=S, part=f"sweep_{kern}", config=list(c),
+                        emit(impl="fxfuse", layout=layout, D=D, S=S, part=f"sweep_{kern}", config=list(c), round=_round,
                              ms=round(t, 3), tflops=round((1 if kern == "fwd" else 2.5) * ff / t / 1e9),
                              compiled=[r for r in compiled_stats() if r["kernel"].endswith(kern)])
                     except Exception as e:
@@ -231,6 +258,7 @@ def main():
     p.add_argument("--sections", default="breakdown")
     p.add_argument("--anchors", type=int, default=1)
     p.add_argument("--sweep-json", default="")
+    p.add_argument("--rounds", type=int, default=1, help="sweep: times through the whole sweep (compiles once)")
     p.add_argument("--switches", default="", help='launching switches to set first, e.g. {"FAST_TANH": false}')
     args = p.parse_args()
     if args.switches:
