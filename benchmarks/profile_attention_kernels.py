@@ -210,8 +210,9 @@ def sec_sweep(args):
             q, k, v, do = inputs(S, args.hq, args.hkv, D)
             ff = flops_fwd(S, D, args.hq, layout)
             for kern, lst in per_dim.items():
-                for c in [defaults[kern]] + [tuple(x) for x in lst]:
-                    cfg = dict(defaults)
+                first = defaults.get(f"{kern}_docs", defaults[kern]) if layout.startswith("docs") else defaults[kern]
+                for c in [first] + [tuple(x) for x in lst]:
+                    cfg = {kind: defaults[kind] for kind in ("fwd", "dkdv", "dq")}
                     cfg[kern] = tuple(c)
                     try:
                         fwd, bwd = fxfuse_parts(S, D, layout, q, k, v, do, config=cfg)

@@ -562,9 +562,10 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                     BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, HAS_KVV=flags, ROWS=rows,
                     USE_DESC=tma, **common))
 
-    launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, config_for("dkdv", BLOCK_D, q.dtype, config), key,
-                          launch_dkdv)
-    launch_with_fallbacks("dq", _attn_bwd_dq, None, config_for("dq", BLOCK_D, q.dtype, config), key, launch_dq)
+    dkdv_cfg = config_for("dkdv", BLOCK_D, q.dtype, config, docs=doc_ranges is not None)
+    launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, dkdv_cfg, key, launch_dkdv)
+    launch_with_fallbacks("dq", _attn_bwd_dq, None, config_for("dq", BLOCK_D, q.dtype, config, docs=doc_ranges is not None), key,
+                          launch_dq)
     if masked_rows == MASKED_ROWS_UNIFORM:
         _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap, BLOCK_D, dot32)
     elif plan is not None:

@@ -194,7 +194,7 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
             return out, lse
 
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
-    cfg = config_for("fwd", BLOCK_D, q.dtype, config)
+    cfg = config_for("fwd", BLOCK_D, q.dtype, config, docs=doc_ranges is not None)
     sc_mul, out_mul = score_scalars(scaling, softcap)
 
     ranges = use_mask_ranges(kind, causal, window)

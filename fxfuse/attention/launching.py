@@ -46,8 +46,14 @@ DEFAULT_CONFIGS = {
     # fwd (128, 64, 8, 3) -> (128, 128, 8, 3): 18.9 -> 17.8 ms causal, 2.65 -> 2.63 docs8 (32k, H200,
     # results/h200-attn-kernels-2026-11-25.jsonl). Dh 64: dkdv (32, 128, 4, 2) -> (32, 128, 4, 3) 37.3 -> 36.4 ms
     # causal backward, dq (128, 32, 4, 2) -> (128, 64, 4, 3) 36.6 -> 33.5 ms (same file).
-    (128, 2): {"fwd": (128, 128, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 3)},
-    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dq": (128, 64, 4, 3)},
+    # dkdv on 64 x 64 tiles, 4 warps (H200, 32k, whole backward, two rounds each,
+    # results/h200-attn-dkdv-tiles-2026-11-29-s37.jsonl): at Dh 128 (64, 128, 8, 2) -> (64, 64, 4, 2) is faster on
+    # every layout: causal 57.7 -> 53.4 ms, 8 documents 8.01 -> 7.45, 128 / 512 documents 1.74 -> 1.37 / 1.57 -> 1.20,
+    # window 4096 14.2 -> 13.2, 75% right padding 55.2 -> 52.2. At Dh 64 it is 7% slower causal (30.5 -> 32.6), so
+    # only packed documents ("dkdv_docs") take it there: 128 / 512 documents 1.005 -> 0.854 / 0.90 -> 0.718, 8
+    # documents 4.36 -> 4.50.
+    (128, 2): {"fwd": (128, 128, 8, 3), "dkdv": (64, 64, 4, 2), "dq": (128, 64, 8, 3)},
+    (64, 2): {"fwd": (128, 64, 4, 3), "dkdv": (32, 128, 4, 3), "dkdv_docs": (64, 64, 4, 2), "dq": (128, 64, 4, 3)},
     (256, 4): {"fwd": (64, 32, 8, 1), "dkdv": (32, 32, 8, 1), "dq": (32, 32, 8, 1)},
     (128, 4): {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 1), "dq": (64, 32, 4, 1)},
     (64, 4): {"fwd": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)},
@@ -81,14 +87,15 @@ def launch_with_fallbacks(kind, kernel, grid_of, cfg, key, launch):
 INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
 
 
-def config_for(kind: str, block_d: int, dtype, override=None):
+def config_for(kind: str, block_d: int, dtype, override=None, docs: bool = False):
+    """The tiles ``kind``'s kernel launches with: ``override[kind]`` if given, else the default for the head dim and
+    element size; ``docs`` (packed documents in the recipe) picks a ``<kind>_docs`` entry where one exists (short
+    documents leave each program one or two key blocks, where smaller tiles win)."""
     if override and kind in override:
         return override[kind]
-    if interpreting():
-        return INTERPRET_CONFIG[kind]
     es = 4 if dtype == torch.float32 else 2
-    key = (max(64, block_d), es)
-    return DEFAULT_CONFIGS[key][kind]
+    configs = INTERPRET_CONFIG if interpreting() else DEFAULT_CONFIGS[(max(64, block_d), es)]
+    return configs.get(f"{kind}_docs", configs[kind]) if docs else configs[kind]
 
 
 # Arguments whose divisibility changes with the sequence length (the lengths; the mask's strides, which contain one)
