@@ -3,7 +3,7 @@ kernels beside FlexAttention's and SDPA's (cuDNN, flash), at one 8B-heads layer 
 
 Sections (``--sections``, comma list):
 Layouts (``--layouts``): causal, docsN (N packed documents), winN (causal, window of N keys), padP (right padding:
-P% of the keys valid).
+P% of the keys valid), mixed (log-normal document lengths, median 300 tokens: :func:`mixed_doc_ids`).
   breakdown  each impl once under torch.profiler: device ms per kernel name, fwd and bwd apart
   sweep      fxfuse tile configs per kernel (``--sweep-json``: {"fwd": [[BM, BN, warps, stages], ...], ...},
              or per head dim {"128": {"dkdv": [...]}, ...}),
@@ -40,6 +40,18 @@ def n_docs(layout):
     return int(layout[4:]) if layout.startswith("docs") else 1
 
 
+def mixed_doc_ids(S, device="cuda"):
+    """Document id of each of S tokens packed with log-normal document lengths (median 300 tokens, sigma 1,
+    clipped to [16, 4096], seed 0: the packed-SFT data of bench_varlen.py), the last one cut at S."""
+    g = torch.Generator().manual_seed(0)
+    lens, total = [], 0
+    while total < S:
+        n = int(min(4096, max(16, 300 * torch.exp(torch.randn((), generator=g)).item())))
+        lens.append(min(n, S - total))
+        total += lens[-1]
+    return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
+
+
 def layout_recipe(layout, S):
     """(window, doc_ranges, key_valid) of a layout: causal; docsN (N packed documents); winN (causal, sliding window
     of N keys); padF (causal, one row right-padded to F% of its keys valid: its last keys padding)."""
@@ -47,6 +59,8 @@ def layout_recipe(layout, S):
     window = int(layout[3:]) if layout.startswith("win") else 0
     dr = (document_ranges(torch.arange(S, device="cuda")[None] // (S // n_docs(layout)))
           if layout.startswith("docs") else None)
+    if layout == "mixed":
+        dr = document_ranges(mixed_doc_ids(S)[None])
     kv = (torch.arange(S, device="cuda")[None] < S * int(layout[3:]) // 100) if layout.startswith("pad") else None
     return window, dr, kv
 
@@ -58,6 +72,8 @@ def kept_fraction(layout, S):
         return (w * S - w * w / 2) / (S * S / 2)
     if layout.startswith("pad"):
         return (int(layout[3:]) / 100) ** 2
+    if layout == "mixed":
+        return float((torch.bincount(mixed_doc_ids(S, "cpu")).double() ** 2).sum() / S ** 2)
     return 1 / n_docs(layout)
 
 
@@ -120,7 +136,11 @@ def anchor_impls(S, D, layout):
     win = int(layout[3:]) if layout.startswith("win") else S
     valid = S * int(layout[3:]) // 100 if layout.startswith("pad") else S
     # the same keys as layout_recipe's: causal, in the query's document, within the window, not padding
-    mod = lambda b, h, qi, ki: (qi >= ki) & (qi // doc == ki // doc) & (qi - ki < win) & (ki < valid)
+    if layout == "mixed":
+        ids = mixed_doc_ids(S)
+        mod = lambda b, h, qi, ki: (qi >= ki) & (ids[qi] == ids[ki])
+    else:
+        mod = lambda b, h, qi, ki: (qi >= ki) & (qi // doc == ki // doc) & (qi - ki < win) & (ki < valid)
     bm = create_block_mask(mod, None, None, S, S, device="cuda", _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)
     impls["flex"] = lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=True)
@@ -271,7 +291,9 @@ def main():
     args.dims = [int(x) for x in args.dims.split(",")]
     args.layouts = args.layouts.split(",")
     import triton
+    import fxfuse
     emit(part="env", torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name(),
+         fxfuse=os.path.dirname(fxfuse.__file__),
          commit=os.environ.get("COMMIT", "?"), switches=args.switches or None, sections=args.sections)
     for sec in args.sections.split(","):
         {"breakdown": sec_breakdown, "sweep": sec_sweep, "probe": sec_probe}[sec](args)
