@@ -216,6 +216,9 @@ def test_tma_tiles_read_like_pointer_tiles(monkeypatch):
                         dict(doc_ranges=document_ranges(ids), key_valid=valid), keep, (q, k, v, do)),
              "mask": ((mq.detach(), mk, mv, keep_m, 0.25, 0.0, False, 0), {}, keep_m, (mq, mk, mv, mdo))}
     monkeypatch.setattr(launching, "DQ_TMA", 0)
+    tiny = tuple(launching.INTERPRET_CONFIG["dq"])  # the interpreter's dQ tiles, as if checked on the GPU
+    monkeypatch.setattr(launching, "DQ_TMA_CHECKED", {(tiny, True), (tiny, False)})
+    grads_by_case = {}
     for name, (args, kw, keep_ref, (rq, rk, rv, rdo)) in cases.items():
         ref = attention_reference(rq, rk, rv, keep_ref, args[4], 0.0, args[6], args[7])
         ref_dq, = torch.autograd.grad(ref, rq, rdo.double())
@@ -238,6 +241,16 @@ def test_tma_tiles_read_like_pointer_tiles(monkeypatch):
         for a, b in zip(grads[2], grads[0]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
         torch.testing.assert_close(grads[2][0].double(), ref_dq.double(), rtol=1e-4, atol=1e-4)
+        grads_by_case[name] = grads[0]
+    # dQ tiles not listed as checked (a fallback, an override) read pointer tiles whatever DQ_TMA says
+    monkeypatch.setattr(launching, "DQ_TMA_CHECKED", {(tiny, False)})
+    made.clear()
+    args, kw = cases["recipe"][0], cases["recipe"][1]  # with documents: (tiny, True) is no longer listed
+    out, lse = forward.attention_fwd_triton(*args, **kw)
+    made.clear()
+    unchecked = backward.attention_bwd_triton(do, *args[:4], out, lse, *args[4:], **kw)
+    assert made == [], made
+    torch.testing.assert_close(unchecked[0], grads_by_case["recipe"][0], rtol=0, atol=1e-6)
 
 
 def test_a_descriptor_variant_the_compiler_fails_on_runs_pointer_tiles(monkeypatch):

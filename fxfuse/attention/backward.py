@@ -541,9 +541,10 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
 
     def launch_dq(c):
         BM, BN, nw, ns = c[:4]
-        # K / V tiles through the copy engine where it can address them (launching.DQ_TMA)
+        # K / V tiles through the copy engine where it can address them (launching.DQ_TMA), for the tiles whose
+        # descriptor variant has been checked on the GPU (launching.DQ_TMA_CHECKED)
         variant = (key, common["SOFTCAP"], bool(causal), common["INT64"], tuple(c))
-        launching.launch_kv_tiles("dq", variant, launching.DQ_TMA, BLOCK_D, BN, k, v,
+        launching.launch_kv_tiles("dq", variant, launching.dq_tma_mode(c, doc_ranges is not None), BLOCK_D, BN, k, v,
                                   lambda mode, kd, vd: launch_dq_tiles(c, mode, kd, vd),
                                   f"head dim {Dh}, tile {tuple(c)}")
 

@@ -28,7 +28,7 @@ from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
            "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA",
-           "DQ_TMA", "TMA_MAX_HEAD_DIM", "POINTER_TILES", "descriptor_tiles", "launch_tiles_or_pointers",
+           "DQ_TMA", "DQ_TMA_CHECKED", "dq_tma_mode", "TMA_MAX_HEAD_DIM", "POINTER_TILES", "descriptor_tiles", "launch_tiles_or_pointers",
            "launch_kv_tiles",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
@@ -271,6 +271,20 @@ FWD_TMA = int(os.environ.get("FXFUSE_ATTENTION_FWD_TMA", "1"))
 # shapes, whole backward, two rounds (attention_notes.md, thirty-sixth session): 2 is 1.8-6.9% faster at Dh 64,
 # 0.3-1.5% at Dh 128, and 1.6% slower on Dh-128 documents of 64 tokens; 1 was 14% slower at Dh 64 with 8 documents.
 DQ_TMA = int(os.environ.get("FXFUSE_ATTENTION_DQ_TMA", "2"))
+# The dQ tiles whose descriptor variant has run right on the H200 (Triton 3.6), as (BLOCK_M, BLOCK_N, warps, stages)
+# and whether the row has packed documents; any other config (a fallback, a benchmark's override) reads pointer tiles.
+# Triton 3.6 built faulting or hanging dQ kernels from some other tiles' every-loop descriptor variant, on plain
+# causal rows: (64, 64, 4, 2) raised "unspecified launch failure" at 4k and 32k tokens (fine with DQ_TMA 0 or 1, and
+# with documents); (64, 32, 4, 3) ran past its process's 90 s limit, twice (attention_notes.md, thirty-seventh
+# session). Each entry here went through check_attention_recipe.py on the H200 and the timing calls.
+DQ_TMA_CHECKED = {((128, 64, 8, 3), False), ((128, 64, 8, 3), True), ((64, 64, 4, 2), True),  # Dh 128 (docs)
+                  ((128, 64, 4, 3), False), ((128, 64, 4, 3), True), ((64, 64, 4, 3), True)}  # Dh 64 (docs)
+
+
+def dq_tma_mode(config, docs: bool) -> int:
+    """DQ_TMA for the dQ tiles ``config`` (with or without packed documents) where :data:`DQ_TMA_CHECKED` lists
+    them, else 0 (pointer tiles)."""
+    return DQ_TMA if (tuple(config[:4]), bool(docs)) in DQ_TMA_CHECKED else 0
 # Head dims the descriptor tiles are used at: at Dh 256 (16k tokens, 16 / 8 heads) they were no faster on
 # documents, and ptxas (Triton 3.6) crashed compiling the causal forward. A variant the compiler fails on falls back
 # to pointer tiles anyway (launch_tiles_or_pointers).
