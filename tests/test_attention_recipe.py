@@ -587,34 +587,38 @@ def test_chunk_condition_is_read_only_when_both_sides_chunk_alike(kv_side, read)
     assert read in got, got
 
 
-def test_packed_documents_launch_the_dkdv_kernel_on_their_own_tiles(monkeypatch):
-    """A backward with document ranges launches the dK/dV kernel on the head dim's ``dkdv_docs`` tiles (short
-    documents leave a program one or two key blocks; smaller tiles win there), one without on ``dkdv``; both
-    equal to float64."""
+def test_packed_documents_launch_each_kernel_on_their_own_tiles(monkeypatch):
+    """With document ranges the forward, dK/dV and dQ kernels launch on the head dim's ``<kernel>_docs`` tiles
+    (short documents leave a program one or two key blocks; smaller tiles win there), without them on the plain
+    ones; both equal to float64."""
     if not HAVE_TRITON or not interpreting():
         pytest.skip("the Triton kernels run on CPU only under TRITON_INTERPRET=1")
-    from fxfuse.attention import backward
-    from fxfuse.attention.forward import attention_fwd_triton
+    from fxfuse.attention import backward, forward
 
-    monkeypatch.setattr(launching, "INTERPRET_CONFIG", dict(launching.INTERPRET_CONFIG, dkdv_docs=(32, 16, 4, 1)))
+    docs_tiles = {"fwd": (32, 16, 4, 1), "dkdv": (32, 16, 4, 1), "dq": (16, 32, 4, 1)}
+    monkeypatch.setattr(launching, "INTERPRET_CONFIG",
+                        dict(launching.INTERPRET_CONFIG, **{f"{k}_docs": v for k, v in docs_tiles.items()}))
     launched = []
-    real = backward.launch_with_fallbacks
-    monkeypatch.setattr(backward, "launch_with_fallbacks",
-                        lambda kind, kernel, grid_of, cfg, *a: (launched.append((kind, cfg)),
-                                                                real(kind, kernel, grid_of, cfg, *a)))
+    for module in (forward, backward):
+        real = module.launch_with_fallbacks
+        monkeypatch.setattr(module, "launch_with_fallbacks",
+                            lambda kind, kernel, grid_of, cfg, *a, real=real: (launched.append((kind, cfg)),
+                                                                                 real(kind, kernel, grid_of, cfg, *a)))
+    attention_fwd_triton = forward.attention_fwd_triton
     g = torch.Generator().manual_seed(4)
     S = 70
     q, do = (torch.randn(1, 4, S, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, 2, S, 16, generator=g) for _ in range(2))
     ids = (torch.arange(S) >= 9).long() + (torch.arange(S) >= 50).long()  # documents of 9, 41 and 20 tokens
-    for docs, want_tiles in ((document_ranges(ids[None]), (32, 16, 4, 1)), (None, launching.INTERPRET_CONFIG["dkdv"])):
+    plain = {k: launching.INTERPRET_CONFIG[k] for k in docs_tiles}
+    for docs, want_tiles in ((document_ranges(ids[None]), docs_tiles), (None, plain)):
         launched.clear()
         kw = dict(doc_ranges=docs)
         out, lse = attention_fwd_triton(q, k, v, None, 0.25, 0.0, True, 0, **kw)
         grads = backward.attention_bwd_triton(do, q, k, v, None, out, lse, 0.25, 0.0, True, 0, **kw)
-        assert dict(launched)["dkdv"] == want_tiles
+        assert dict(launched) == want_tiles
         q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
         ref = attention_reference(q64, k64, v64, scaling=0.25, causal=True, doc_ranges=docs)
         want = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-        for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *want)):
             torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=f"docs={docs is not None} {name}")
