@@ -1,9 +1,10 @@
 """Where an attention layer's time goes, kernel by kernel, on the GPU: fxfuse's forward / delta / dK-dV / dQ
 kernels beside FlexAttention's and SDPA's (cuDNN, flash), at one 8B-heads layer (32 q / 8 kv heads), bf16, B 1.
 
-Sections (``--sections``, comma list):
 Layouts (``--layouts``): causal, docsN (N packed documents), winN (causal, window of N keys), padP (right padding:
 P% of the keys valid), mixed (log-normal document lengths, median 300 tokens: :func:`mixed_doc_ids`).
+
+Sections (``--sections``, comma list):
   breakdown  each impl once under torch.profiler: device ms per kernel name, fwd and bwd apart
   sweep      fxfuse tile configs per kernel (``--sweep-json``: {"fwd": [[BM, BN, warps, stages], ...], ...},
              or per head dim {"128": {"dkdv": [...]}, ...}),
@@ -52,9 +53,14 @@ def mixed_doc_ids(S, device="cuda"):
     return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(device)
 
 
+def has_docs(layout):
+    """Whether a layout packs documents (its rows run the kernels' ``<kernel>_docs`` tiles)."""
+    return layout.startswith("docs") or layout == "mixed"
+
+
 def layout_recipe(layout, S):
-    """(window, doc_ranges, key_valid) of a layout: causal; docsN (N packed documents); winN (causal, sliding window
-    of N keys); padF (causal, one row right-padded to F% of its keys valid: its last keys padding)."""
+    """(window, doc_ranges, key_valid) of a layout (see the module docstring); padP: one row, its last keys
+    padding."""
     from fxfuse.ops import document_ranges
     window = int(layout[3:]) if layout.startswith("win") else 0
     dr = (document_ranges(torch.arange(S, device="cuda")[None] // (S // n_docs(layout)))
@@ -230,7 +236,7 @@ def sec_sweep(args):
             q, k, v, do = inputs(S, args.hq, args.hkv, D)
             ff = flops_fwd(S, D, args.hq, layout)
             for kern, lst in per_dim.items():
-                first = defaults.get(f"{kern}_docs", defaults[kern]) if layout.startswith("docs") else defaults[kern]
+                first = defaults.get(f"{kern}_docs", defaults[kern]) if has_docs(layout) else defaults[kern]
                 for c in [first] + [tuple(x) for x in lst]:
                     cfg = {kind: defaults[kind] for kind in ("fwd", "dkdv", "dq")}
                     cfg[kern] = tuple(c)

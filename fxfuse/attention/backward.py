@@ -544,7 +544,7 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
         # K / V tiles through the copy engine where it can address them (launching.DQ_TMA), for the tiles whose
         # descriptor variant has been checked on the GPU (launching.DQ_TMA_CHECKED)
         variant = (key, common["SOFTCAP"], bool(causal), common["INT64"], tuple(c))
-        launching.launch_kv_tiles("dq", variant, launching.dq_tma_mode(c, doc_ranges is not None), BLOCK_D, BN, k, v,
+        launching.launch_kv_tiles("dq", variant, launching.dq_tma_mode(c, has_docs), BLOCK_D, BN, k, v,
                                   lambda mode, kd, vd: launch_dq_tiles(c, mode, kd, vd),
                                   f"head dim {Dh}, tile {tuple(c)}")
 
@@ -563,9 +563,9 @@ def attention_bwd_triton(do, q, k, v, mask, out, lse, scaling, softcap, causal, 
                     BLOCK_M=BM, BLOCK_N=BN, num_warps=nw, num_stages=ns, HAS_KVV=flags, ROWS=rows,
                     USE_DESC=tma, **common))
 
-    dkdv_cfg = config_for("dkdv", BLOCK_D, q.dtype, config, docs=doc_ranges is not None)
-    launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, dkdv_cfg, key, launch_dkdv)
-    launch_with_fallbacks("dq", _attn_bwd_dq, None, config_for("dq", BLOCK_D, q.dtype, config, docs=doc_ranges is not None), key,
+    launch_with_fallbacks("dkdv", _attn_bwd_dkdv, None, config_for("dkdv", BLOCK_D, q.dtype, config, docs=has_docs),
+                          key, launch_dkdv)
+    launch_with_fallbacks("dq", _attn_bwd_dq, None, config_for("dq", BLOCK_D, q.dtype, config, docs=has_docs), key,
                           launch_dq)
     if masked_rows == MASKED_ROWS_UNIFORM:
         _dead_rows_bwd_triton(do, q, k, v, lse, delta, dq, dk, dv, scaling, softcap, BLOCK_D, dot32)

@@ -194,12 +194,12 @@ def attention_fwd_triton(q, k, v, mask, scaling, softcap, causal, window, config
             return out, lse
 
     BLOCK_D = max(16, triton.next_power_of_2(Dh))
-    cfg = config_for("fwd", BLOCK_D, q.dtype, config, docs=doc_ranges is not None)
     sc_mul, out_mul = score_scalars(scaling, softcap)
 
     ranges = use_mask_ranges(kind, causal, window)
     vmean = value_mean(v, Hq // Hkv).contiguous() if masked_rows == MASKED_ROWS_UNIFORM else lse
     _, sdb, sde, _, skb, _, ssb, has_docs, has_kvv = recipe_args(doc_ranges, key_valid, lse, (docs, kvv, span))
+    cfg = config_for("fwd", BLOCK_D, q.dtype, config, docs=has_docs)
     int64 = needs_int64(q, k, v, out, expand_mask(mask, B, Hq, S, Skv))
     rec = Recorder()
 

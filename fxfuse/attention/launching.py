@@ -28,8 +28,8 @@ from .reference import expand_mask
 
 __all__ = ["DEFAULT_CONFIGS", "FALLBACK_CONFIGS", "INTERPRET_CONFIG", "launch_with_fallbacks", "config_for",
            "MASK_LENGTHS", "mask_args", "recipe_args", "recipe_tensors", "plan_key", "key_span", "FORCE_INT64", "needs_int64", "FAST_TANH", "ROW_BOUNDS", "FWD_TMA",
-           "DQ_TMA", "DQ_TMA_CHECKED", "dq_tma_mode", "TMA_MAX_HEAD_DIM", "POINTER_TILES", "descriptor_tiles", "launch_tiles_or_pointers",
-           "launch_kv_tiles",
+           "DQ_TMA", "DQ_TMA_CHECKED", "dq_tma_mode", "TMA_MAX_HEAD_DIM", "POINTER_TILES", "descriptor_tiles",
+           "launch_tiles_or_pointers", "launch_kv_tiles",
            "softcap_mode", "BLOCK_MAJOR_GRID", "grid", "grid_ids", "score_scalars", "ROW_PAIRS", "row_launches"]
 
 # Configs: (BLOCK_M, BLOCK_N, num_warps, num_stages[, split]) per kernel, keyed by padded head_dim and element
@@ -285,6 +285,8 @@ def dq_tma_mode(config, docs: bool) -> int:
     """DQ_TMA for the dQ tiles ``config`` (with or without packed documents) where :data:`DQ_TMA_CHECKED` lists
     them, else 0 (pointer tiles)."""
     return DQ_TMA if (tuple(config[:4]), bool(docs)) in DQ_TMA_CHECKED else 0
+
+
 # Head dims the descriptor tiles are used at: at Dh 256 (16k tokens, 16 / 8 heads) they were no faster on
 # documents, and ptxas (Triton 3.6) crashed compiling the causal forward. A variant the compiler fails on falls back
 # to pointer tiles anyway (launch_tiles_or_pointers).
